@@ -1,0 +1,232 @@
+"""``sparsecc.compile`` and ``sparsecc.plan``: the pipeline of DESIGN.md, end to end.
+
+trace (fx, part by part if needed) -> find_linear -> fuse_epilogue -> analysis -> cost model
+(or a given plan) -> pack -> splice -> a module that computes what the model computed.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from . import tracing
+from .analysis import WeightStats, analyze
+from .cost import DEFAULT_M, CostModel, time_site
+from .errors import InputError, PlanError, SparseccError
+from .formats import FormatSpec, pack
+from .passes import find_linear, fuse_epilogue, splice
+from .plan import Candidate, Plan, SitePlan
+from .site import LinearSite
+
+log = logging.getLogger("sparsecc")
+
+#: relative error (norm of the difference over norm of the reference) allowed when a
+#: compiled model is checked against the eager one, by output dtype
+VERIFY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+@dataclass
+class _Prepared:
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    traced: tracing.Traced
+    sites: list[LinearSite]
+    plan: Plan
+
+
+def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
+         cost_model: CostModel | None = None) -> Plan:
+    """Decide, per linear site, which exact format runs it, without changing the model."""
+    return _prepare(model, example_inputs, formats, device, cost_model, given_plan=None).plan
+
+
+def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str | None = None,
+            device=None, cost_model: CostModel | None = None, verify: bool = True) -> nn.Module:
+    """Return a module that computes what ``model`` computes, with its sparse linear layers
+    running in the formats the plan chose.
+
+    Args:
+        model: any ``nn.Module``; it is not modified (the result shares its untouched parts).
+        example_inputs: a tensor, a tuple of positional arguments or a dict of keyword
+            arguments, as the model is called; they set the batch size M the plan targets.
+        formats: restrict the candidates, e.g. ``("2:4",)``: each site uses one of these
+            wherever its weight fits exactly, dense elsewhere. ``None``: the cost model picks.
+        plan: a :class:`Plan` (or its JSON) to replay instead of planning.
+        device: where the compiled model runs (default: where the model's parameters are);
+            a model elsewhere is copied there.
+        cost_model: a custom cost model.
+        verify: run the compiled model on the example inputs and raise if it does not match
+            the eager model within :data:`VERIFY_TOLERANCE` (skipped in training mode).
+
+    The result has the plan as ``result.sparsecc_plan``.
+    """
+    given = Plan.from_json(plan) if isinstance(plan, str) else plan
+    prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
+    decisions = _pack_choices(prepared)
+    shared = {id(m) for m in prepared.model.modules()}
+    replaced = {}
+    for part in prepared.traced.parts:
+        names = {s.name for s in prepared.sites if s.module_path == part.path}
+        if names:
+            splice.run(part.gm, {n: decisions[n] for n in names}, shared=shared)
+            replaced[part.path] = part.module()
+    compiled = tracing.assemble(prepared.model, replaced)
+    compiled.sparsecc_plan = prepared.plan
+    if verify:
+        _verify(compiled, prepared)
+    return compiled
+
+
+def _prepare(model, example_inputs, formats, device, cost_model, given_plan) -> _Prepared:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"sparsecc needs an nn.Module, got {type(model).__name__}")
+    allowed = _parse_formats(formats)
+    target = _target_device(model, device)
+    if any(p.device != target for p in model.parameters()):
+        model = copy.deepcopy(model).to(target)
+    args, kwargs = tracing.normalize_inputs(example_inputs)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
+    traced = tracing.trace(model, args, kwargs)
+    sites: list[LinearSite] = []
+    for part in traced.parts:
+        sites += find_linear.run(part.gm, prefix=part.path).sites
+        fuse_epilogue.run(part.gm)
+    stats = _analyze_all(sites, allowed)
+    if given_plan is not None:
+        the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
+    else:
+        model_cost = cost_model or CostModel(target)
+        the_plan = Plan([_plan_site(s, stats[s.name], model_cost, allowed) for s in sites],
+                        device=str(target), untraced=traced.untraced)
+    return _Prepared(model, args, kwargs, traced, sites, the_plan)
+
+
+def _parse_formats(formats) -> list[FormatSpec] | None:
+    if formats is None:
+        return None
+    if isinstance(formats, (str, FormatSpec)):
+        formats = (formats,)
+    specs = [FormatSpec.parse(f) for f in formats]
+    if not specs:
+        raise InputError("formats=() allows nothing; pass None to let the cost model choose")
+    return specs
+
+
+def _target_device(model: nn.Module, device) -> torch.device:
+    if device is not None:
+        target = torch.device(device)
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise InputError("device='cuda' was asked for, but torch sees no CUDA device")
+        return target
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _analyze_all(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
+    groups = tuple(s.m for s in allowed or () if s.kind == "nm")
+    blocks = tuple(s.block for s in allowed or () if s.kind == "bsr" and s.block)
+    by_weight: dict[tuple, WeightStats] = {}
+    stats = {}
+    for site in sites:
+        key = (site.module_path, site.weight_name, site.weight_transposed)
+        if key not in by_weight:
+            by_weight[key] = analyze(site.weight, extra_group_sizes=groups, extra_blocks=blocks)
+        stats[site.name] = by_weight[key]
+    return stats
+
+
+def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed) -> SitePlan:
+    decision = cost_model.decide(stats, site.m, allowed,
+                                 measure_site=lambda spec, m: time_site(site.weight, spec, m))
+    return _site_plan(site, stats, decision.choice, decision.reason,
+                      [Candidate(p.format, round(p.us, 3), p.nbytes, p.measured_us) for p in decision.candidates],
+                      decision.buckets)
+
+
+def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets) -> SitePlan:
+    element = site.weight.element_size()
+    after = next((c.nbytes for c in candidates if c.format == str(choice)), stats.numel * element)
+    return SitePlan(
+        name=site.name, module_path=site.module_path, shape=list(stats.shape), dtype=stats.dtype,
+        m=site.m, epilogue=str(site.epilogue), density=round(stats.density, 6), fits=stats.fitting_patterns(),
+        block_density={f"{h}x{w}": round(d, 6) for (h, w), d in stats.block_density.items()},
+        candidates=candidates, choice=str(choice), reason=reason,
+        bytes_before=stats.numel * element, bytes_after=after, buckets=buckets)
+
+
+def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
+    by_name = {s.name: s for s in given.sites}
+    missing = [s.name for s in sites if s.name not in by_name]
+    extra = sorted(set(by_name) - {s.name for s in sites})
+    if missing or extra:
+        raise PlanError(f"the plan does not match this model: sites not in the plan {missing[:5]}, "
+                        f"plan entries with no site {extra[:5]}")
+    replayed = []
+    for site in sites:
+        entry = by_name[site.name]
+        choice = FormatSpec.parse(entry.choice)
+        if not stats[site.name].fits(choice):
+            raise PlanError(f"the plan runs {site.name} as {choice}, but its weight does not fit {choice} "
+                            "exactly (was it changed since the plan was made?)")
+        replayed.append(_site_plan(site, stats[site.name], choice, f"replayed from a plan: {entry.reason}",
+                                   entry.candidates, entry.buckets))
+    return Plan(replayed, device=str(target), untraced=untraced)
+
+
+def _pack_choices(prepared: _Prepared) -> dict[str, object]:
+    decisions = {}
+    packed_by_weight = {}
+    for site in prepared.sites:
+        choice = FormatSpec.parse(prepared.plan[site.name].choice)
+        if choice.kind == "dense":
+            decisions[site.name] = None
+            continue
+        key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))
+        if key not in packed_by_weight:
+            packed_by_weight[key] = pack(site.weight, choice)
+        decisions[site.name] = packed_by_weight[key]
+    return decisions
+
+
+def _verify(compiled: nn.Module, prepared: _Prepared) -> None:
+    """Check the compiled model against the eager output on the example inputs."""
+    if prepared.model.training:
+        log.info("model is in training mode (dropout is random): the compiled output is not verified")
+        return
+    with torch.no_grad():
+        got = compiled(*prepared.args, **prepared.kwargs)
+    expected_leaves, expected_spec = pytree.tree_flatten(prepared.traced.output)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    if len(expected_leaves) != len(got_leaves):
+        raise SparseccError(f"compiled model returns {len(got_leaves)} values, the model {len(expected_leaves)}")
+    for index, (want, have) in enumerate(zip(expected_leaves, got_leaves)):
+        if not isinstance(want, torch.Tensor):
+            continue
+        if want.shape != have.shape or want.dtype != have.dtype:
+            raise SparseccError(f"output {index}: compiled gives {tuple(have.shape)} {have.dtype}, "
+                                f"the model {tuple(want.shape)} {want.dtype}")
+        if not want.is_floating_point():
+            if not torch.equal(want, have):
+                raise SparseccError(f"output {index} differs from the eager model")
+            continue
+        error = relative_error(have, want)
+        tolerance = VERIFY_TOLERANCE.get(want.dtype, 1e-2)
+        if not error <= tolerance:
+            raise SparseccError(f"compiled output {index} differs from the eager model: relative error "
+                                f"{error:.3g} > {tolerance:g}. This is a sparsecc bug; compile with "
+                                "formats=('dense',) to work around it, and please report it.")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64 (NaN if either has NaN where the other has not)."""
+    got64, want64 = got.double(), want.double()
+    if not torch.equal(torch.isnan(got64), torch.isnan(want64)):
+        return float("nan")
+    got64, want64 = got64.nan_to_num(0.0), want64.nan_to_num(0.0)
+    scale = want64.norm().item()
+    return (got64 - want64).norm().item() / (scale if scale > 0 else 1.0)

@@ -1,0 +1,83 @@
+"""Every setting sparsecc reads from the environment, in one place, typed and documented.
+
+Settings are read when :func:`settings` is called (not at import), so a test or a user can
+change the environment at run time.
+
+| variable                 | meaning                                                   | default                  |
+|--------------------------|-----------------------------------------------------------|--------------------------|
+| SPARSECC_CACHE_DIR       | where compiled kernels are cached                          | ~/.cache/sparsecc        |
+| SPARSECC_LOG             | log level of the ``sparsecc`` logger (DEBUG, INFO, ...)    | WARNING                  |
+| SPARSECC_NVCC            | the CUDA compiler to run                                   | nvcc on PATH             |
+| SPARSECC_CUTLASS_DIR     | a CUTLASS ``include`` directory                            | from the nvidia-cutlass wheel |
+| SPARSECC_BUILD_JOBS      | kernels compiled in parallel                               | number of CPUs           |
+| SPARSECC_ON_BUILD_ERROR  | ``raise`` a KernelBuildError, or ``fallback`` to torch     | raise                    |
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+
+_BUILD_ERROR_POLICIES = ("raise", "fallback")
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path
+    log_level: int
+    nvcc: str | None
+    cutlass_dir: Path | None
+    build_jobs: int
+    on_build_error: str
+
+
+def _cutlass_from_wheel() -> Path | None:
+    """The CUTLASS include directory shipped in the ``nvidia-cutlass`` wheel, if installed."""
+    try:
+        import cutlass_library  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    include = Path(cutlass_library.__file__).parent / "source" / "include"
+    return include if (include / "cutlass" / "cutlass.h").is_file() else None
+
+
+def settings() -> Settings:
+    """Read and validate the environment."""
+    env = os.environ
+    level_name = env.get("SPARSECC_LOG", "WARNING").upper()
+    level = logging.getLevelName(level_name)
+    if not isinstance(level, int):
+        raise InputError(f"SPARSECC_LOG={level_name!r} is not a logging level "
+                         "(use DEBUG, INFO, WARNING or ERROR)")
+    policy = env.get("SPARSECC_ON_BUILD_ERROR", "raise").lower()
+    if policy not in _BUILD_ERROR_POLICIES:
+        raise InputError(f"SPARSECC_ON_BUILD_ERROR={policy!r}: use one of {_BUILD_ERROR_POLICIES}")
+    jobs_text = env.get("SPARSECC_BUILD_JOBS", "")
+    try:
+        jobs = int(jobs_text) if jobs_text else (os.cpu_count() or 1)
+    except ValueError:
+        raise InputError(f"SPARSECC_BUILD_JOBS={jobs_text!r} is not an integer") from None
+    cutlass = env.get("SPARSECC_CUTLASS_DIR")
+    return Settings(
+        cache_dir=Path(env.get("SPARSECC_CACHE_DIR") or Path.home() / ".cache" / "sparsecc"),
+        log_level=level,
+        nvcc=env.get("SPARSECC_NVCC") or shutil.which("nvcc"),
+        cutlass_dir=Path(cutlass) if cutlass else _cutlass_from_wheel(),
+        build_jobs=max(1, jobs),
+        on_build_error=policy,
+    )
+
+
+def configure_logging() -> logging.Logger:
+    """The package logger, at the level SPARSECC_LOG asks for."""
+    logger = logging.getLogger("sparsecc")
+    logger.setLevel(settings().log_level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[sparsecc] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    return logger

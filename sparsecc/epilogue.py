@@ -1,0 +1,59 @@
+"""The epilogue of a linear site: what happens to ``x @ W^T`` before it is stored.
+
+``y = act(x @ W^T + bias)``, optionally stored transposed. Activations are an enum: only
+these names ever reach a kernel template or a custom op.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InputError
+
+
+class Activation(str, enum.Enum):
+    NONE = "none"
+    RELU = "relu"
+    GELU = "gelu"            # exact (erf) GELU
+    GELU_TANH = "gelu_tanh"  # tanh approximation
+    SILU = "silu"
+
+    @classmethod
+    def parse(cls, value: "str | Activation") -> "Activation":
+        try:
+            return cls(value)
+        except ValueError:
+            raise InputError(f"unknown activation {value!r}; use one of "
+                             f"{[a.value for a in cls]}") from None
+
+
+def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.Tensor:
+    """Apply ``activation`` out of place (the reference the kernels are held to)."""
+    act = Activation.parse(activation)
+    if act is Activation.NONE:
+        return y
+    if act is Activation.RELU:
+        return F.relu(y)
+    if act is Activation.GELU:
+        return F.gelu(y)
+    if act is Activation.GELU_TANH:
+        return F.gelu(y, approximate="tanh")
+    return F.silu(y)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What a site absorbed: a bias per output feature, an activation, a transposed store."""
+
+    bias: bool = False
+    activation: Activation = Activation.NONE
+    transpose_out: bool = False
+
+    def __str__(self) -> str:
+        parts = (["bias"] if self.bias else []) + \
+                ([self.activation.value] if self.activation is not Activation.NONE else []) + \
+                (["T"] if self.transpose_out else [])
+        return "+".join(parts) or "none"

@@ -35,7 +35,8 @@ def run(gm: fx.GraphModule, *, placeholders: dict[str, tuple[str, torch.Tensor]]
     for site in sites:
         site.x = replaced.get(site.x, site.x)
         absorbed = _absorb(site, gm, constants)
-        replaced[absorbed[-1] if absorbed else site.anchor] = _rewrite(gm, site, absorbed)
+        output = absorbed[-1] if absorbed else site.anchor
+        replaced[output] = _rewrite(gm, site, absorbed)
     gm.graph.lint()
     gm.recompile()
     return PassResult(gm, changed=bool(sites), sites=sites)

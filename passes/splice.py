@@ -7,7 +7,8 @@ Ensures: a packed site is one call of its format's custom op, its packed tensors
 registered as buffers of the submodule ``sparsecc_packed`` and read with ``get_attr``; a
 dense site is plain torch ops (:func:`sparsecc.ops.linear_torch`), which Inductor fuses
 and eager runs without dispatch overhead; weights and modules nothing reads any more are
-dropped from the graph module (never from modules it shares with the original model).
+dropped from the graph module (modules it shares with the original model are never
+modified: see :func:`_drop_unused`).
 """
 from __future__ import annotations
 
@@ -27,10 +28,8 @@ from .fuse_epilogue import erase_dead_inputs
 PACKED_MODULE = "sparsecc_packed"
 
 
-def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None], *,
-        shared: set[int] = frozenset()) -> PassResult:
-    """Apply ``decisions`` (site name -> packed weight or None). ``shared`` holds the ids of
-    modules owned by the original model, which are never modified."""
+def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassResult:
+    """Apply ``decisions`` (site name -> packed weight or None)."""
     sites = []
     for node in list(gm.graph.nodes):
         site = node.meta.get(SITE_KEY)
@@ -42,7 +41,7 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None], *,
         else:
             _call_packed_op(gm, node, site.name, packed)
         sites.append(site)
-    _drop_unused(gm, shared)
+    _drop_unused(gm)
     gm.graph.lint()
     gm.recompile()
     return PassResult(gm, changed=bool(sites), sites=sites)
@@ -64,19 +63,42 @@ def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: Packed
     erase_dead_inputs(gm.graph, [weight])
 
 
-def _drop_unused(gm: fx.GraphModule, shared: set[int]) -> None:
-    """Drop attributes and submodules the graph no longer reads, except inside modules the
-    original model owns (deleting there would change the user's model)."""
-    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+def _drop_unused(gm: fx.GraphModule) -> None:
+    """Let go of every weight and module the graph no longer reads.
 
-    def is_used(path: str) -> bool:
-        return any(t == path or t.startswith(path + ".") or path.startswith(t + ".") for t in used)
+    Modules reached from ``gm`` may belong to the original model, so none is ever modified:
+    a module the graph only reads attributes from is replaced, in ``gm``, by a fresh
+    container holding just those attributes; a module it calls is kept whole."""
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in list(gm._parameters) + list(gm._buffers):
+        if name not in read:
+            delattr(gm, name)
+    for name, child in list(gm.named_children()):
+        kept = _keep(child, name, called, read)
+        delattr(gm, name)
+        if kept is not None:
+            gm.add_module(name, kept)
 
-    for name, module in list(gm.named_modules()):
-        if id(module) in shared or module is getattr(gm, PACKED_MODULE, None):
-            continue
-        for attr, value in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            path = f"{name}.{attr}" if name else attr
-            if not is_used(path) and value is not None:
-                delattr(module, attr)
-    gm.delete_all_unused_submodules()
+
+def _keep(module: nn.Module, path: str, called: set[str], read: set[str]) -> nn.Module | None:
+    """``module`` itself if the graph calls it, None if it reads nothing inside it, else a
+    fresh container with only what is read."""
+    if path in called:
+        return module
+    inside = path + "."
+    if not any(t.startswith(inside) for t in called | read):
+        return None
+    container = nn.Module()
+    for target in sorted(t for t in read if t.startswith(inside) and "." not in t[len(inside):]):
+        attr = target[len(inside):]
+        value = getattr(module, attr)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            container.register_buffer(attr, value)
+        else:
+            setattr(container, attr, value)
+    for name, child in module.named_children():
+        kept = _keep(child, inside + name, called, read)
+        if kept is not None:
+            container.add_module(name, kept)
+    return container

@@ -68,12 +68,11 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
     prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
     decisions = _pack_choices(prepared)
-    shared = {id(m) for m in prepared.model.modules()}
     replaced = {}
     for part in prepared.traced.parts:
         names = {s.name for s in prepared.sites if s.module_path == part.path}
         if names:
-            splice.run(part.gm, {n: decisions[n] for n in names}, shared=shared)
+            splice.run(part.gm, {n: decisions[n] for n in names})
             replaced[part.path] = part.module()
     compiled = tracing.assemble(prepared.model, replaced)
     compiled.sparsecc_plan = prepared.plan

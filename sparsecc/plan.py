@@ -120,8 +120,9 @@ class Plan:
         text = Path(source).read_text() if isinstance(source, Path) or not str(source).lstrip().startswith("{") else source
         try:
             data = json.loads(text)
-            if data.get("version") != PLAN_VERSION:
-                raise PlanError(f"plan version {data.get('version')} is not {PLAN_VERSION}")
+            if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+                found = data.get("version") if isinstance(data, dict) else type(data).__name__
+                raise PlanError(f"not a sparsecc plan of version {PLAN_VERSION} (found {found!r})")
             sites = [SitePlan(**{**s, "candidates": [Candidate(**c) for c in s["candidates"]]})
                      for s in data.pop("sites")]
             return cls(sites=sites, **data)

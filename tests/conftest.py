@@ -1,0 +1,62 @@
+"""Shared test helpers: random sparse weights (never zeros where a value is kept), the
+relative-error check every numeric test uses, and the GPU/nvcc skips."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from sparsecc.config import settings
+
+#: relative-error bounds (||got - ref|| / ||ref|| against an fp64 reference), by dtype
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or settings().cutlass_dir is None,
+                                   reason="needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)")
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, factor: float = 1.0):
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not torch.isnan(got).any(), "NaN in output"
+    error = rel_error(got, ref)
+    assert error <= TOLERANCE[dtype] * factor, f"relative error {error:.3g} > {TOLERANCE[dtype] * factor:.3g}"
+
+
+def nonzero_randn(*shape, generator=None, dtype=torch.float32) -> torch.Tensor:
+    """Normal samples pushed away from zero, so a kept value is never accidentally 0."""
+    x = torch.randn(*shape, generator=generator)
+    return (x + x.sign() * 0.1).to(dtype)
+
+
+def unstructured(rows, cols, density, generator=None, dtype=torch.float32) -> torch.Tensor:
+    w = nonzero_randn(rows, cols, generator=generator)
+    return (w * (torch.rand(rows, cols, generator=generator) < density)).to(dtype)
+
+
+def n_m(rows, cols, n, m, generator=None, dtype=torch.float32) -> torch.Tensor:
+    """Exactly n non-zeros in every group of m along K (the last short group keeps <= n)."""
+    groups = math.ceil(cols / m)
+    w = nonzero_randn(rows, groups, m, generator=generator)
+    keep = torch.rand(rows, groups, m, generator=generator).argsort(-1)[..., :n]
+    mask = torch.zeros(rows, groups, m, dtype=torch.bool).scatter_(-1, keep, True)
+    return (w * mask).reshape(rows, groups * m)[:, :cols].contiguous().to(dtype)
+
+
+def block_sparse(rows, cols, block, density, generator=None, dtype=torch.float32) -> torch.Tensor:
+    h, w = block
+    present = torch.rand(rows // h, cols // w, generator=generator) < density
+    mask = present.repeat_interleave(h, 0).repeat_interleave(w, 1)
+    return (nonzero_randn(rows, cols, generator=generator) * mask).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,77 @@
+"""splice: a packed site becomes one custom-op call reading buffers; a dense site becomes
+plain torch ops; the dense weight is no longer held; the original model is untouched."""
+import torch
+import torch.nn as nn
+
+from sparsecc.formats import pack
+from sparsecc.ops import linear_torch
+from sparsecc.passes import find_linear, fuse_epilogue, splice
+
+from conftest import assert_rel_close, n_m, unstructured
+
+from .graphs import ops, traced
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 16), nn.Linear(16, 8)
+        with torch.no_grad():
+            self.a.weight.copy_(n_m(16, 32, 2, 4, gen))
+            self.b.weight.copy_(unstructured(8, 16, 0.3, gen))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def prepared(model, x):
+    gm = traced(model, x)
+    sites = find_linear.run(gm).sites
+    fuse_epilogue.run(gm)
+    return gm, sites
+
+
+def test_packed_and_dense_sites(gen):
+    model, x = TwoLayers(gen), torch.randn(3, 32, generator=gen)
+    reference = model(x)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm, sites = prepared(model, x)
+    packed = pack(sites[0].weight, "2:4")
+    result = splice.run(gm, {"a.weight": packed, "b.weight": None})
+    assert result.changed
+    assert ops(gm) == [("get_attr", "a.bias"), ("get_attr", "sparsecc_packed.a_weight__values"),
+                       ("get_attr", "sparsecc_packed.a_weight__indices"), ("call_function", "linear_nm.default"),
+                       ("get_attr", "b.weight"), ("get_attr", "b.bias"), ("call_function", "linear_torch")]
+    assert next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is linear_torch)
+    assert torch.equal(gm.sparsecc_packed.a_weight__values, packed.values)
+    assert_rel_close(gm(x), reference, torch.float32)
+    # the graph module no longer reaches the dense weight of a; the model is unchanged
+    assert not any(p is model.a.weight for p in gm.parameters())
+    assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items())
+    assert set(model.state_dict()) == set(state_before)
+
+
+def test_sites_not_in_decisions_are_left_as_fused(gen):
+    model, x = TwoLayers(gen), torch.randn(3, 32, generator=gen)
+    gm, _ = prepared(model, x)
+    splice.run(gm, {"b.weight": pack(model.b.weight, "csr")})
+    assert ("call_function", "linear_dense.default") in ops(gm)
+    assert ("call_function", "linear_csr.default") in ops(gm)
+    assert_rel_close(gm(x), model(x), torch.float32)
+
+
+def test_shared_weight_packed_once_per_site_name(gen):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(unstructured(12, 12, 0.2, gen))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, self.w), self.w)
+
+    model, x = Tied(), torch.randn(2, 12, generator=gen)
+    gm, sites = prepared(model, x)
+    packed = pack(model.w, "csr")
+    splice.run(gm, {"w": packed, "w#2": packed})
+    assert not any(n.op == "get_attr" and n.target == "w" for n in gm.graph.nodes)
+    assert_rel_close(gm(x), model(x), torch.float32)

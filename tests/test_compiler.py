@@ -1,0 +1,225 @@
+"""sparsecc.compile / sparsecc.plan end to end on CPU: lossless on random models, exact
+choices only, the formats restriction, plan replay, Hugging Face models, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import sparsecc
+from sparsecc import CostModel
+from sparsecc.analysis import analyze
+from sparsecc.errors import InputError, PlanError, SparseccError
+from sparsecc.formats import FormatSpec
+
+from conftest import assert_rel_close, block_sparse, n_m, unstructured
+from models import bert, gpt2, llama, mlp, sparsify_24
+
+ACTS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "none": lambda t: t}
+
+
+class RandomNet(nn.Module):
+    """Linear layers of given sizes and epilogues; the last one is applied as W @ x^T."""
+
+    def __init__(self, weights, biases, acts):
+        super().__init__()
+        self.weights = nn.ParameterList(weights)
+        self.biases = nn.ParameterList(biases)
+        self.acts = acts
+
+    def forward(self, x):
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if i == len(self.weights) - 1:
+                x = (w @ x.transpose(-1, -2)).transpose(-1, -2) + b
+            else:
+                x = ACTS[self.acts[i]](F.linear(x, w, b))
+        return x
+
+
+@st.composite
+def random_nets(draw):
+    seed = draw(st.integers(0, 2**31))
+    gen = torch.Generator().manual_seed(seed)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    depth = draw(st.integers(1, 3))
+    sizes = [draw(st.sampled_from([8, 13, 32, 48, 64]))]
+    weights, biases, acts = [], [], []
+    for _ in range(depth):
+        pattern = draw(st.sampled_from(["unstructured", "2:4", "1:4", "4:8", "block16", "dense"]))
+        out = draw(st.sampled_from([16, 32, 48, 19]))
+        k = sizes[-1]
+        if pattern == "unstructured":
+            w = unstructured(out, k, draw(st.floats(0.0, 0.6)), gen)
+        elif pattern == "block16" and out % 16 == 0 and k % 16 == 0:
+            w = block_sparse(out, k, (16, 16), draw(st.floats(0.1, 0.6)), gen)
+        elif ":" in pattern:
+            n, m = map(int, pattern.split(":"))
+            w = n_m(out, k, n, m, gen)
+        else:
+            w = unstructured(out, k, 1.0, gen)
+        weights.append(nn.Parameter(w.to(dtype)))
+        biases.append(nn.Parameter(torch.randn(out, generator=gen).to(dtype)))
+        acts.append(draw(st.sampled_from(list(ACTS))))
+        sizes.append(out)
+    batch = draw(st.integers(1, 64))
+    lead = draw(st.sampled_from([(), (2,)]))
+    x = torch.randn(*lead, batch, sizes[0], generator=gen).to(dtype)
+    formats = draw(st.sampled_from([None, ("2:4",), ("csr",), ("bsr",), ("4:8", "1:4"), ("csr", "2:4", "bsr16")]))
+    return RandomNet(weights, biases, acts).eval(), x, formats, dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=random_nets())
+def test_compile_is_lossless_and_chooses_only_exact_formats(case):
+    model, x, formats, dtype = case
+    compiled = sparsecc.compile(model, (x,), formats=formats, cost_model=CostModel("cpu", measure=False))
+    plan = compiled.sparsecc_plan
+    assert len(plan) == len(model.weights)
+    for site, weight in zip(plan, model.weights):
+        assert analyze(weight.detach()).fits(FormatSpec.parse(site.choice)), (site.choice, site.reason)
+        if formats is not None and site.choice == "dense":
+            assert "fits none" in site.reason
+    # fresh inputs, another batch size: the compiled module is shape-generic
+    for rows in (x.shape[-2], 3):
+        fresh = torch.randn(*x.shape[:-2], rows, x.shape[-1]).to(dtype)
+        with torch.no_grad():
+            assert_rel_close(compiled(fresh), _fp64(model, fresh), dtype, factor=3)
+
+
+def _fp64(model, x):
+    """The model's function in fp64 (the reference the dtype tolerances are stated against)."""
+    h = x.double()
+    for i, (w, b) in enumerate(zip(model.weights, model.biases)):
+        w, b = w.double(), b.double()
+        h = (w @ h.transpose(-1, -2)).transpose(-1, -2) + b if i == len(model.weights) - 1 else ACTS[model.acts[i]](F.linear(h, w, b))
+    return h
+
+
+def test_formats_24_uses_24_wherever_it_fits(gen):
+    model = mlp((64, 48, 32, 10)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(48, 64, 2, 4, gen))
+        model[2].weight.copy_(n_m(32, 48, 1, 4, gen))      # 1:4 also fits 2:4
+    compiled = sparsecc.compile(model, torch.randn(5, 64), formats=("2:4",))
+    assert list(compiled.sparsecc_plan.choices().values()) == ["2:4", "2:4", "dense"]
+    assert compiled.sparsecc_plan["4"].reason.startswith("formats=(2:4)")
+    x = torch.randn(7, 64)
+    assert_rel_close(compiled(x), model(x), torch.float32)
+
+
+def test_plan_json_replay(gen, tmp_path):
+    model = mlp((32, 32, 8)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(unstructured(32, 32, 0.1, gen))
+        model[0].weight[0, :4] = 1.0          # one full group of 4: the weight does not fit 2:4
+    x = torch.randn(4, 32)
+    plan = sparsecc.plan(model, x, formats=("csr",))
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    loaded = sparsecc.Plan.from_json(path)
+    assert loaded.choices() == plan.choices() == {"0.weight": "csr", "2.weight": "csr"}
+    assert sparsecc.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    compiled = sparsecc.compile(model, x, plan=loaded)
+    assert compiled.sparsecc_plan.choices() == plan.choices()
+    assert "replayed" in compiled.sparsecc_plan["0"].reason
+    assert_rel_close(compiled(x), model(x), torch.float32)
+    # a plan that asks for a format the weight does not fit is refused
+    loaded.sites[0].choice = "2:4"
+    with pytest.raises(PlanError, match="does not fit 2:4"):
+        sparsecc.compile(model, x, plan=loaded)
+    with pytest.raises(PlanError, match="does not match"):
+        sparsecc.compile(mlp((32, 8)).eval(), x, plan=plan)
+    with pytest.raises(PlanError, match="not a sparsecc plan"):
+        sparsecc.Plan.from_json('{"sites": 3}')
+
+
+def test_plan_table_says_what_and_why(gen):
+    model = mlp((64, 32, 8)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(32, 64, 2, 4, gen))
+    table = sparsecc.plan(model, torch.randn(16, 64), cost_model=CostModel("cpu", measure=False)).table()
+    for text in ("layer", "N x K", "density", "fits", "candidates", "choice", "bytes before -> after",
+                 "32x64", "2:4", "dense=", "bias+relu", "0.500"):
+        assert text in table, text
+    assert table.count("\n0:") == 1 and table.count("\n2:") == 1   # one reason line per site
+
+
+def test_no_linear_layers_gives_an_equivalent_model_and_empty_plan():
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 10)
+    compiled = sparsecc.compile(model, x)
+    assert len(compiled.sparsecc_plan) == 0
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_unsupported_dtype_stays_dense_with_reason(gen):
+    model = nn.Sequential(nn.Linear(16, 8)).double().eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(8, 16, 2, 4, gen).double())
+    compiled = sparsecc.compile(model, torch.randn(3, 16, dtype=torch.float64), formats=("2:4",))
+    site = compiled.sparsecc_plan["0"]
+    assert site.choice == "dense" and "float64 is not supported" in site.reason
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_bad_inputs_raise_sparsecc_errors():
+    model = mlp((16, 8)).eval()
+    with pytest.raises(SparseccError, match="do not fit the model"):
+        sparsecc.compile(model, torch.randn(2, 15))
+    with pytest.raises(SparseccError, match="nn.Module"):
+        sparsecc.compile(lambda x: x, torch.randn(2, 16))
+    with pytest.raises(SparseccError, match="does not parse"):
+        sparsecc.compile(model, torch.randn(2, 16), formats=("2:5:7",))
+    with pytest.raises(InputError, match="allows nothing"):
+        sparsecc.compile(model, torch.randn(2, 16), formats=())
+
+
+def test_verification_catches_a_wrong_result(monkeypatch, gen):
+    """If a packed weight computed something else, compile must refuse, not return it."""
+    model = mlp((32, 16)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(unstructured(16, 32, 0.2, gen))
+    real_pack = sparsecc.compiler.pack
+
+    def corrupted_pack(weight, spec):
+        return real_pack(weight * 1.01, spec)
+
+    monkeypatch.setattr(sparsecc.compiler, "pack", corrupted_pack)
+    with pytest.raises(SparseccError, match="differs from the eager model"):
+        sparsecc.compile(model, torch.randn(4, 32), formats=("csr",))
+    sparsecc.compile(model, torch.randn(4, 32), formats=("csr",), verify=False)   # the check is what caught it
+
+
+def test_original_model_is_unchanged_and_still_runs(gen):
+    model = bert()
+    sparsify_24(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sparsecc.compile(model, torch.randint(0, 100, (2, 8)), formats=("2:4",))
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("build", [bert, gpt2, llama], ids=["bert", "gpt2", "llama"])
+def test_hugging_face_models_compile_and_match(build):
+    torch.manual_seed(0)
+    model = build()
+    sparsify_24(model)
+    ids = torch.randint(0, 100, (2, 8))
+    compiled = sparsecc.compile(model, (ids,), formats=("2:4",))
+    plan = compiled.sparsecc_plan
+    assert len(plan) >= 7 and all(site.choice == "2:4" for site in plan), plan.table()
+    assert plan.bytes_after < plan.bytes_before
+    for shape in [(2, 8), (1, 5), (3, 11)]:      # other batch sizes and lengths: no re-tracing
+        other = torch.randint(0, 100, shape)
+        with torch.no_grad():
+            assert_rel_close(compiled(other).last_hidden_state, model(other).last_hidden_state, torch.float32, factor=10)
+
+
+def test_fused_epilogues_in_hugging_face_blocks():
+    plan = sparsecc.plan(llama(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
+    assert plan["layers.0.mlp.gate_proj"].epilogue == "silu"
+    plan = sparsecc.plan(bert(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
+    assert plan["encoder.layer.0.intermediate.dense"].epilogue == "bias+gelu"

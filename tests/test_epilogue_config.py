@@ -1,0 +1,41 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsecc.config import settings
+from sparsecc.epilogue import Activation, Epilogue, apply_activation
+from sparsecc.errors import InputError
+
+
+def test_activations_match_torch():
+    x = torch.randn(100)
+    assert torch.equal(apply_activation(x, "relu"), F.relu(x))
+    assert torch.equal(apply_activation(x, "gelu"), F.gelu(x))
+    assert torch.equal(apply_activation(x, "gelu_tanh"), F.gelu(x, approximate="tanh"))
+    assert torch.equal(apply_activation(x, "silu"), F.silu(x))
+    assert apply_activation(x, "none") is x
+    with pytest.raises(InputError):
+        apply_activation(x, "swish")
+
+
+def test_epilogue_names():
+    assert str(Epilogue()) == "none"
+    assert str(Epilogue(True, Activation.GELU, True)) == "bias+gelu+T"
+
+
+def test_settings_read_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPARSECC_BUILD_JOBS", "3")
+    s = settings()
+    assert s.cache_dir == tmp_path and s.build_jobs == 3 and s.on_build_error == "raise"
+    monkeypatch.setenv("SPARSECC_BUILD_JOBS", "many")
+    with pytest.raises(InputError, match="SPARSECC_BUILD_JOBS"):
+        settings()
+    monkeypatch.setenv("SPARSECC_BUILD_JOBS", "2")
+    monkeypatch.setenv("SPARSECC_ON_BUILD_ERROR", "ignore")
+    with pytest.raises(InputError, match="SPARSECC_ON_BUILD_ERROR"):
+        settings()
+    monkeypatch.setenv("SPARSECC_ON_BUILD_ERROR", "fallback")
+    monkeypatch.setenv("SPARSECC_LOG", "LOUD")
+    with pytest.raises(InputError, match="SPARSECC_LOG"):
+        settings()

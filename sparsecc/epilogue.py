@@ -30,6 +30,10 @@ class Activation(str, enum.Enum):
                              f"{[a.value for a in cls]}") from None
 
 
+#: the code of each activation in generated kernels (their epilogue takes it at run time)
+ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+
+
 def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.Tensor:
     """Apply ``activation`` out of place (the reference the kernels are held to)."""
     act = Activation.parse(activation)

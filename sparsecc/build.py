@@ -1,0 +1,234 @@
+"""Compile generated kernels with nvcc into a content-addressed cache (DESIGN principle 7).
+
+- The key is sha256 over the rendered source, the compiler's version, the full flags, the
+  architecture, the CUTLASS version, sparsecc's templates and this cache's layout version.
+- An entry is built in a private staging directory and published with one atomic rename;
+  a lock per key makes concurrent builders of the same kernel wait for one build.
+- The cache directory is created 0700; one another user can write is not trusted: sparsecc
+  warns and uses a private temporary cache instead. An entry whose binary does not match
+  the hash its manifest recorded is removed and rebuilt, never loaded.
+- A failing compile raises :class:`~sparsecc.errors.KernelBuildError` with the command,
+  the compiler's stderr and the path of the source, kept for the user to read.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .codegen import KernelSpec, render, templates_digest
+from .config import settings
+from .errors import KernelBuildError
+
+log = logging.getLogger("sparsecc")
+
+CACHE_LAYOUT = 1
+_ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_80": "-gencode=arch=compute_80,code=sm_80"}
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: str
+    nvcc_version: str
+    cutlass_include: Path
+    cutlass_version: str
+
+    @property
+    def util_include(self) -> Path:
+        return self.cutlass_include.parent / "tools" / "util" / "include"
+
+
+def toolchain() -> Toolchain:
+    """nvcc and the CUTLASS headers, or a KernelBuildError saying which is missing."""
+    config = settings()
+    if config.nvcc is None:
+        raise KernelBuildError("nvcc was not found: install the CUDA toolkit or set SPARSECC_NVCC")
+    if config.cutlass_dir is None:
+        raise KernelBuildError("the CUTLASS headers were not found: pip install nvidia-cutlass "
+                               "(or set SPARSECC_CUTLASS_DIR to a CUTLASS include directory)")
+    return _toolchain(config.nvcc, str(config.cutlass_dir))
+
+
+@lru_cache(maxsize=None)
+def _toolchain(nvcc: str, cutlass_dir: str) -> Toolchain:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise KernelBuildError(f"cannot run {nvcc}: {error}", command=[nvcc, "--version"]) from error
+    if out.returncode != 0:
+        raise KernelBuildError(f"{nvcc} --version failed", command=[nvcc, "--version"], stderr=out.stderr)
+    version = out.stdout.strip().splitlines()[-1]
+    header = Path(cutlass_dir) / "cutlass" / "version.h"
+    numbers = dict(re.findall(r"#define CUTLASS_(MAJOR|MINOR|PATCH) (\d+)", header.read_text())) if header.is_file() else {}
+    cutlass_version = ".".join(numbers.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH"))
+    return Toolchain(nvcc, version, Path(cutlass_dir), cutlass_version)
+
+
+def nvcc_command(spec: KernelSpec, tools: Toolchain, source: Path, output: Path) -> list[str]:
+    return [tools.nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC",
+            "-shared", _ARCH_FLAGS[spec.arch], "-I", str(tools.cutlass_include), "-I", str(tools.util_include),
+            "-o", str(output), str(source)]
+
+
+def cache_key(spec: KernelSpec, source: str, tools: Toolchain) -> str:
+    flags = nvcc_command(spec, tools, Path("kernel.cu"), Path("kernel.so"))[1:]
+    material = {"layout": CACHE_LAYOUT, "source": source, "flags": flags, "arch": spec.arch,
+                "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version, "templates": templates_digest()}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class KernelCache:
+    """The on-disk cache: ``<root>/kernels/<key>/{kernel.so, kernel.cu, manifest.json}``."""
+
+    def __init__(self, root: Path | str | None = None):
+        self.root = self._trusted(Path(root) if root else settings().cache_dir)
+        for sub in ("kernels", "staging", "locks", "failed"):
+            (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+
+    @staticmethod
+    def _trusted(root: Path) -> Path:
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = root.stat()
+            writable = os.access(root, os.W_OK)
+        except OSError as error:
+            info, writable = None, False
+            reason = str(error)
+        if info is not None and (info.st_uid != os.getuid() or info.st_mode & 0o022):
+            reason = f"it is owned by uid {info.st_uid} or writable by other users (mode {oct(info.st_mode & 0o777)})"
+            writable = False
+        if writable:
+            return root
+        private = Path(tempfile.mkdtemp(prefix="sparsecc-cache-"))
+        log.warning("not using the kernel cache %s: %s; using the private cache %s for this process",
+                    root, reason, private)
+        return private
+
+    def path(self, key: str) -> Path:
+        return self.root / "kernels" / key
+
+    def lookup(self, key: str) -> Path | None:
+        """The binary of ``key`` if present and intact; a damaged entry is removed."""
+        entry = self.path(key)
+        binary = entry / "kernel.so"
+        if not entry.exists():
+            return None
+        try:
+            manifest = json.loads((entry / "manifest.json").read_text())
+            if manifest.get("key") == key and manifest.get("sha256") == _sha256(binary):
+                return binary
+        except (OSError, ValueError):
+            pass
+        log.warning("kernel cache entry %s is damaged; rebuilding it", entry)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+    def lock(self, key: str):
+        return _FileLock(self.root / "locks" / f"{key}.lock")
+
+
+class _FileLock:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.handle = open(self.path, "a")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.handle, fcntl.LOCK_UN)
+        self.handle.close()
+
+
+@dataclass
+class BuildStats:
+    built: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+
+
+LAST_BUILD = BuildStats()
+
+
+def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
+          progress: bool = True) -> dict[KernelSpec, Path]:
+    """Compile every spec not already cached, in parallel, with a progress bar; return the
+    path of each spec's shared object."""
+    specs = list(dict.fromkeys(specs))
+    tools = toolchain()
+    cache = cache or KernelCache()
+    sources = {spec: render(spec) for spec in specs}
+    keys = {spec: cache_key(spec, sources[spec], tools) for spec in specs}
+    found = {spec: cache.lookup(keys[spec]) for spec in specs}
+    todo = [spec for spec in specs if found[spec] is None]
+    stats = BuildStats(cached=len(specs) - len(todo))
+    start = time.perf_counter()
+    if todo:
+        jobs = jobs or settings().build_jobs
+        with ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as pool, \
+                tqdm(total=len(todo), desc="sparsecc: compiling kernels", unit="kernel", disable=not progress) as bar:
+            futures = {spec: pool.submit(_build_one, spec, sources[spec], keys[spec], tools, cache) for spec in todo}
+            for spec, future in futures.items():
+                found[spec] = future.result()
+                bar.update()
+        stats.built = len(todo)
+    stats.seconds = time.perf_counter() - start
+    LAST_BUILD.__dict__.update(stats.__dict__)
+    return found
+
+
+def _build_one(spec: KernelSpec, source: str, key: str, tools: Toolchain, cache: KernelCache) -> Path:
+    with cache.lock(key):
+        published = cache.lookup(key)          # another process may have built it meanwhile
+        if published is not None:
+            return published
+        staging = Path(tempfile.mkdtemp(prefix=key[:16] + "-", dir=cache.root / "staging"))
+        try:
+            source_path = staging / "kernel.cu"
+            source_path.write_text(source)
+            binary = staging / "kernel.so"
+            command = nvcc_command(spec, tools, source_path, binary)
+            start = time.perf_counter()
+            result = subprocess.run(command, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            if result.returncode != 0 or not binary.is_file():
+                kept = cache.root / "failed" / f"{spec.symbol}.cu"
+                shutil.copyfile(source_path, kept)
+                raise KernelBuildError(f"nvcc failed to compile {spec.symbol} (exit {result.returncode})",
+                                       command=command, stderr=result.stderr + result.stdout, source_path=str(kept))
+            manifest = {"key": key, "symbol": spec.symbol, "spec": json.loads(spec.describe()),
+                        "sha256": _sha256(binary), "command": command, "nvcc": tools.nvcc_version,
+                        "cutlass": tools.cutlass_version, "compile_seconds": round(seconds, 2)}
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            final = cache.path(key)
+            try:
+                os.rename(staging, final)
+            except OSError:
+                if cache.lookup(key) is None:
+                    raise
+            log.info("compiled %s in %.1f s", spec.symbol, seconds)
+            return final / "kernel.so"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,171 @@
+"""Kernel specifications and rendering: ``KernelSpec`` (frozen, validated) -> CUDA source.
+
+A spec names everything that distinguishes one generated kernel from another; templates
+render only from it (Jinja2 with ``StrictUndefined``), and only enumerated values reach the
+C++. The symbol spells the configuration out, so a binary says what it is.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import importlib.resources
+import json
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import jinja2
+
+from .epilogue import ACTIVATION_CODES
+from .errors import InputError
+
+
+class Family(str, enum.Enum):
+    """A template, i.e. a kernel family. The value is the template's file stem."""
+
+    SM90_SPARSE24 = "gemm_sm90_sparse24"
+    SM90_DENSE = "gemm_sm90_dense"
+    SM90_COMPRESS24 = "compress_sm90_sparse24"
+    SM80_SPARSE24 = "gemm_sm80_sparse24"
+    SM80_DENSE = "gemm_sm80_dense"
+
+    @property
+    def arch(self) -> str:
+        return "sm_90a" if "sm90" in self.value else "sm_80"
+
+    @property
+    def sparse(self) -> bool:
+        return "sparse24" in self.value
+
+
+class Schedule(str, enum.Enum):
+    COOPERATIVE = "cooperative"
+    PINGPONG = "pingpong"
+
+
+DTYPES = ("float16", "bfloat16")
+_SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+#: tile shapes (M, N, K of the GEMM: out features x rows x in features) each family accepts.
+#: Every sm90 2:4 tile has K = 128, so one compressed layout serves all of them.
+TILES = {
+    Family.SM90_SPARSE24: {(64, 128, 128), (64, 256, 128), (128, 64, 128), (128, 128, 128),
+                           (128, 256, 128), (256, 128, 128), (256, 64, 128)},
+    Family.SM90_DENSE: {(64, 128, 64), (64, 256, 64), (128, 64, 64), (128, 128, 64), (128, 256, 64),
+                        (256, 128, 64), (128, 128, 128), (128, 256, 128)},
+    Family.SM90_COMPRESS24: {(128, 128, 128)},
+    Family.SM80_SPARSE24: {(128, 128, 64), (128, 64, 64), (64, 128, 64)},
+    Family.SM80_DENSE: {(128, 128, 32), (128, 64, 32), (64, 128, 32)},
+}
+DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
+DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
+                Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
+                Family.SM80_DENSE: (128, 128, 32)}
+CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: family, dtype, operand layouts and tiling. Validated on creation.
+
+    The epilogue (bias or not, which activation) is a run-time argument of every generated
+    kernel, so one kernel serves every site with the same shape class."""
+
+    family: Family
+    dtype: str
+    x_transposed: bool = False      # x arrives as [K, M] (CUTLASS B row-major)
+    transpose_out: bool = False     # store y^T (CUTLASS D row-major)
+    tile: tuple[int, int, int] = ()
+    cluster: tuple[int, int] = (1, 1)
+    schedule: Schedule = Schedule.COOPERATIVE
+
+    def __post_init__(self):
+        object.__setattr__(self, "family", Family(self.family))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "tile", tuple(self.tile) or DEFAULT_TILE[self.family])
+        object.__setattr__(self, "cluster", tuple(self.cluster))
+        if self.dtype not in DTYPES:
+            raise InputError(f"kernels are generated for {DTYPES}, not {self.dtype!r}")
+        if self.tile not in TILES[self.family]:
+            raise InputError(f"tile {self.tile} is not one of {sorted(TILES[self.family])} for {self.family.value}")
+        if self.cluster not in CLUSTERS or (self.family.arch == "sm_80" and self.cluster != (1, 1)):
+            raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
+        if self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a":
+            raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
+        if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
+            raise InputError("x_transposed and transpose_out are booleans")
+        if self.family is Family.SM80_DENSE and self.transpose_out:
+            raise InputError("gemm_sm80_dense stores y row-major only (its bias is a broadcast source)")
+        if self.family is Family.SM80_SPARSE24 and not self.transpose_out:
+            raise InputError("CUTLASS 2.x SparseGemm writes a row-major D only: gemm_sm80_sparse24 stores "
+                             "y^T (transpose_out=True)")
+
+    @property
+    def arch(self) -> str:
+        return self.family.arch
+
+    @property
+    def template(self) -> str:
+        return f"{self.family.value}.cu.j2"
+
+    @property
+    def mainloop_schedule(self) -> str:
+        return {Schedule.COOPERATIVE: "KernelTmaWarpSpecializedCooperative",
+                Schedule.PINGPONG: "KernelTmaWarpSpecializedPingpong"}[self.schedule]
+
+    @property
+    def epilogue_schedule(self) -> str:
+        return {Schedule.COOPERATIVE: "TmaWarpSpecializedCooperative",
+                Schedule.PINGPONG: "TmaWarpSpecialized"}[self.schedule]
+
+    @property
+    def symbol(self) -> str:
+        """A C identifier that spells the whole configuration out."""
+        if self.family is Family.SM90_COMPRESS24:
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}"
+        if self.arch == "sm_80":
+            layouts = f"b{'row' if self.x_transposed else 'col'}_d{'row' if self.transpose_out else 'col'}"
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}_t{'x'.join(map(str, self.tile))}"
+        layouts = f"b{'row' if self.x_transposed else 'col'}_d{'row' if self.transpose_out else 'col'}"
+        tile = "x".join(map(str, self.tile))
+        cluster = "x".join(map(str, self.cluster))
+        schedule = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
+        return (f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}"
+                f"_t{tile}_c{cluster}_{schedule}")
+
+    def describe(self) -> str:
+        data = asdict(self)
+        data.update(family=self.family.value, schedule=self.schedule.value)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def default(cls, family: Family, dtype: str, **changes) -> "KernelSpec":
+        """The family's default configuration (the layouts it supports, its default tile)."""
+        return cls(family=family, dtype=dtype, **{**DEFAULT_LAYOUT.get(Family(family), {}), **changes})
+
+    def with_(self, **changes) -> "KernelSpec":
+        return KernelSpec(**{**asdict(self), **changes})
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    folder = importlib.resources.files("sparsecc.templates")
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(folder)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def render(spec: KernelSpec) -> str:
+    """The CUDA source of ``spec``."""
+    from . import __version__
+    return _environment().get_template(spec.template).render(spec=spec, version=__version__,
+                                                             activation_codes=ACTIVATION_CODES)
+
+
+def templates_digest() -> str:
+    """sha256 over every template file, so a template change invalidates cached kernels."""
+    folder = importlib.resources.files("sparsecc.templates")
+    digest = hashlib.sha256()
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".j2"):
+            digest.update(entry.name.encode() + b"\0" + entry.read_bytes())
+    return digest.hexdigest()

@@ -58,8 +58,9 @@ def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: Packed
         for field, tensor in packed.tensors().items():
             holder.register_buffer(f"{prefix}__{field}", tensor)
             tensors.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
-    node.target = OP_FOR_KIND[packed.spec.kind]
-    node.args = (x, *tensors, *packed.scalars().values(), bias, activation, x_transposed, transpose_out)
+    node.target = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+    node.args = (x, *tensors, *packed.scalars().values(), bias, activation, x_transposed, transpose_out,
+                 *getattr(packed, "extra_args", ()))
     erase_dead_inputs(gm.graph, [weight])
 
 

@@ -6,7 +6,7 @@
 """
 __version__ = "0.1.0"
 
-from . import ops  # noqa: F401  (registers the sparsecc:: custom ops)
+from . import gpu, ops  # noqa: F401  (register the sparsecc:: custom ops)
 from .compiler import compile, plan
 from .cost import CostModel
 from .errors import (FormatError, InputError, KernelBuildError, PatternError, PlanError,

@@ -18,6 +18,7 @@ from .analysis import WeightStats, analyze
 from .cost import DEFAULT_M, CostModel, time_site
 from .errors import InputError, PlanError, SparseccError
 from .formats import FormatSpec, pack
+from .gpu import CutlassSparse24Weight
 from .passes import find_linear, fuse_epilogue, splice
 from .plan import Candidate, Plan, SitePlan
 from .site import LinearSite
@@ -36,7 +37,9 @@ class _Prepared:
     kwargs: dict
     traced: tracing.Traced
     sites: list[LinearSite]
+    stats: dict[str, WeightStats]
     plan: Plan
+    cost_model: CostModel
 
 
 def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
@@ -67,7 +70,7 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     """
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
     prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
-    decisions = _pack_choices(prepared)
+    decisions = _pack_choices(prepared, prepared.cost_model)
     replaced = {}
     for part in prepared.traced.parts:
         names = {s.name for s in prepared.sites if s.module_path == part.path}
@@ -96,13 +99,13 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan) -> 
         sites += find_linear.run(part.gm, prefix=part.path).sites
         fuse_epilogue.run(part.gm)
     stats = _analyze_all(sites, allowed)
+    model_cost = cost_model or CostModel(target)
     if given_plan is not None:
         the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
     else:
-        model_cost = cost_model or CostModel(target)
         the_plan = Plan([_plan_site(s, stats[s.name], model_cost, allowed) for s in sites],
                         device=str(target), untraced=traced.untraced)
-    return _Prepared(model, args, kwargs, traced, sites, the_plan)
+    return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost)
 
 
 def _parse_formats(formats) -> list[FormatSpec] | None:
@@ -177,7 +180,9 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
     return Plan(replayed, device=str(target), untraced=untraced)
 
 
-def _pack_choices(prepared: _Prepared) -> dict[str, object]:
+def _pack_choices(prepared: _Prepared, cost_model: CostModel) -> dict[str, object]:
+    """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4 on Hopper),
+    else in the format's portable layout that the torch implementations read."""
     decisions = {}
     packed_by_weight = {}
     for site in prepared.sites:
@@ -187,7 +192,10 @@ def _pack_choices(prepared: _Prepared) -> dict[str, object]:
             continue
         key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))
         if key not in packed_by_weight:
-            packed_by_weight[key] = pack(site.weight, choice)
+            if cost_model.uses_kernel(prepared.stats[site.name], choice):
+                packed_by_weight[key] = CutlassSparse24Weight.from_dense(site.weight, progress=True)
+            else:
+                packed_by_weight[key] = pack(site.weight, choice)
         decisions[site.name] = packed_by_weight[key]
     return decisions
 

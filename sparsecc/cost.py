@@ -29,6 +29,8 @@ BSR_MAX_DENSITY = 0.6
 CSR_MAX_DENSITY = 0.5
 #: n:m patterns are listed when n/m is at most this
 NM_MAX_RATIO = 0.5
+#: fraction of the 2x sparse tensor-core rate sparsecc's 2:4 kernel is assumed to reach
+SPARSE24_EFFICIENCY = 0.7
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,22 @@ class CostModel:
     """Predicts and chooses. ``measure=False`` turns off the CPU confirmation timing (for
     reproducible plans)."""
 
-    def __init__(self, device: torch.device | str = "cpu", *, measure: bool = True):
+    def __init__(self, device: torch.device | str = "cpu", *, measure: bool = True,
+                 kernels_unavailable: str | None = "unset"):
         self.device = torch.device(device)
         self.profile = PROFILES["cuda" if self.device.type == "cuda" else "cpu"]
         self.measure = measure and self.profile.measure_sparse_choice
+        if kernels_unavailable == "unset":
+            from .gpu import kernels_unavailable as why_not
+            kernels_unavailable = why_not(self.device)
+        #: why sparsecc's own kernels cannot run here (None: they can)
+        self.kernels_unavailable = kernels_unavailable
+
+    def uses_kernel(self, stats: WeightStats, spec: FormatSpec) -> bool:
+        """Whether ``spec`` runs on a generated kernel for this weight (2:4 on Hopper)."""
+        from .gpu import shape_supported
+        return (self.kernels_unavailable is None and spec == FormatSpec("nm", n=2, m=4)
+                and shape_supported(*stats.shape, getattr(torch, stats.dtype)) is None)
 
     def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int) -> float:
         n_rows, k = stats.shape
@@ -140,6 +154,11 @@ class CostModel:
             rate = self.profile.dense.get(stats.dtype, self.profile.dense["float32"])
             flops = 2.0 * m * n_rows * k
         else:
+            if self.uses_kernel(stats, spec):     # sparse tensor cores: twice the math, 9/16 the bytes
+                dense_rate = self.profile.dense[stats.dtype]
+                flops = 2.0 * m * n_rows * k / (2 * SPARSE24_EFFICIENCY)
+                nbytes = stats.numel * element * 9 // 16 + activation_bytes
+                return dense_rate.overhead_us + max(flops / dense_rate.flops, nbytes / dense_rate.bandwidth) * 1e6
             rate = self.profile.sparse[spec.kind]
             if spec.kind == "nm":     # unpacked to dense on every call, then a dense product
                 unpack_bytes = 3 * stats.numel * element
@@ -169,6 +188,8 @@ class CostModel:
             return Decision(DENSE, f"formats=({names}): the weight fits none of them exactly; stays dense",
                             predictions, buckets)
         spec, best = min(pool, key=lambda sp: sp[1].us)
+        if spec.kind == "nm" and self.device.type == "cuda" and not self.uses_kernel(stats, spec):
+            at += f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}"
         if forced:
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; "
                                   f"{spec} fits exactly (predicted {best.us:.1f} us {at})", predictions, buckets)

@@ -1,0 +1,57 @@
+"""What every benchmark shares: timing (CUDA events through triton's do_bench, median, as a
+CUDA-graph replay and as an eager call), the environment header and the results file."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import sparsecc
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment(bench: str) -> dict:
+    cuda = torch.cuda.is_available()
+    return {"bench": bench, "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+            "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+            "sparsecc": sparsecc.__version__, "date": datetime.date.today().isoformat(), "rows": []}
+
+
+def time_eager_us(fn, *, warmup_ms=10, rep_ms=40) -> float:
+    """Median microseconds of ``fn()`` called eagerly (host overhead included)."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def time_graph_us(fn, *, calls=10, warmup_ms=10, rep_ms=40) -> float:
+    """Median microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph and
+    replayed: kernel time without host overhead."""
+    import triton.testing
+    fn()                                  # warm up outside capture (module loads, handles)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3 / calls
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def write(result: dict, *, stem: str | None = None) -> Path:
+    """Write ``result`` to benchmarks/results/<bench>-<gpu>-<date>.json and return the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    gpu = result["device"].replace(" ", "_").replace("/", "_")
+    path = RESULTS / f"{stem or result['bench']}-{gpu}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path

@@ -1,0 +1,165 @@
+"""Linear + bias + ReLU on the GPU, side by side in one process, fp16 and bf16:
+
+- ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` (the baseline),
+- ``torch-semi-structured``: ``to_sparse_semi_structured`` (cuSPARSELt) then ``relu``,
+- ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
+- ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
+- ``sparsecc-config`` rows: every tiling sparsecc can dispatch to, to choose the tables.
+
+Each is timed as a CUDA-graph replay (``us``, kernel time: speedups are quoted on these) and
+eagerly (``us_eager``, what a caller without graphs sees), and checked against an fp32
+reference (``rel_err``). Extra keys: ``config`` (kernel symbol) on per-config rows, ``error``
+when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
+and a plot beside it.
+
+    python benchmarks/kernels.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+
+from sparsecc import gpu, runtime  # noqa: E402
+from sparsecc.codegen import Family, KernelSpec  # noqa: E402
+
+SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
+MS = [1, 16, 128, 2048, 8192]
+
+
+def two_four(n: int, k: int, dtype, gen) -> torch.Tensor:
+    w = torch.randn(n, k // 4, 4, generator=gen)
+    keep = w.abs().topk(2, dim=-1).indices
+    mask = torch.zeros_like(w, dtype=torch.bool).scatter_(-1, keep, True)
+    return (w * mask).reshape(n, k).to(dtype).cuda()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, three batch sizes")
+    parser.add_argument("--no-configs", action="store_true", help="skip the per-tiling rows")
+    args = parser.parse_args(argv)
+    shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (SHAPES, MS)
+    result = environment("kernels")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        sparse_table = gpu.dispatch_string(gpu.dispatch_specs(Family.SM90_SPARSE24, dtype))
+        dense_table = gpu.dispatch_string(gpu.dispatch_specs(Family.SM90_DENSE, dtype))
+        configs = [] if args.no_configs else gpu.tuning_specs(dtype)
+        runtime.ensure([s for _, s in gpu.dispatch_specs(Family.SM90_SPARSE24, dtype)]
+                       + [s for _, s in gpu.dispatch_specs(Family.SM90_DENSE, dtype)] + configs)
+        for n, k in shapes:
+            w = two_four(n, k, dtype, gen)
+            bias = torch.randn(n, generator=gen).to(dtype).cuda()
+            packed = gpu.CutlassSparse24Weight.from_dense(w)
+            try:
+                from torch.sparse import to_sparse_semi_structured
+                w_semi = to_sparse_semi_structured(w)
+            except Exception as error:      # noqa: BLE001 - recorded in the results
+                w_semi = error
+            for m in ms:
+                x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+                ref = torch.relu(x.float() @ w.float().t() + bias.float())
+                impls = {
+                    "cublas": lambda: torch.relu(F.linear(x, w, bias)),
+                    "sparsecc-dense": lambda: gpu.linear_kernel(x, w, None, n, k, bias, "relu", False, False, dense_table),
+                    "sparsecc": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias, "relu",
+                                                          False, False, sparse_table),
+                }
+                if not isinstance(w_semi, Exception):
+                    impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
+                base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
+                point = []
+                for impl, fn in impls.items():
+                    row = {"impl": impl, "format": "dense" if impl in ("cublas", "sparsecc-dense") else "2:4",
+                           "density": 1.0 if impl in ("cublas", "sparsecc-dense") else 0.5, **base}
+                    try:
+                        row["rel_err"] = rel_err(fn(), ref)
+                        row["us"] = time_graph_us(fn)
+                        row["us_eager"] = time_eager_us(fn)
+                    except Exception as error:  # noqa: BLE001
+                        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+                    point.append(row)
+                if isinstance(w_semi, Exception):
+                    point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
+                                  "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
+                result["rows"] += point
+                for spec in configs:
+                    kernel = runtime.get(spec.symbol)
+                    sparse = spec.family is Family.SM90_SPARSE24
+                    a, e = (packed.values, packed.metadata) if sparse else (w, None)
+                    table = f"0={spec.symbol}"
+                    fn = lambda: gpu.linear_kernel(x, a, e, n, k, bias, "relu", False, False, table)  # noqa: E731
+                    row = {"impl": "sparsecc-config", "format": "2:4" if sparse else "dense",
+                           "density": 0.5 if sparse else 1.0, "config": kernel.spec.symbol, **base}
+                    try:
+                        row["rel_err"] = rel_err(fn(), ref)
+                        row["us"] = time_graph_us(fn)
+                        row["us_eager"] = None
+                    except Exception as error:  # noqa: BLE001
+                        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+                    result["rows"].append(row)
+                print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} " + " ".join(
+                    f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)
+    path = write(result)
+    plot(result, path.with_suffix(".png"))
+    print_summary(result)
+    print("wrote", path)
+    return result
+
+
+def speedups(result: dict, impl: str, dtype: str, min_m: int = 0, key: str = "us") -> dict:
+    rows = [r for r in result["rows"] if r["dtype"] == dtype and r["M"] >= min_m]
+    base = {(r["M"], r["N"], r["K"]): r[key] for r in rows if r["impl"] == "cublas" and r[key]}
+    return {(r["M"], r["N"], r["K"]): base[(r["M"], r["N"], r["K"])] / r[key]
+            for r in rows if r["impl"] == impl and r[key] and (r["M"], r["N"], r["K"]) in base}
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def print_summary(result: dict) -> None:
+    for dtype in ("float16", "bfloat16"):
+        for impl in ("sparsecc", "sparsecc-dense", "torch-semi-structured"):
+            big = speedups(result, impl, dtype, 2048)
+            allm = speedups(result, impl, dtype)
+            eager = speedups(result, impl, dtype, key="us_eager")
+            if allm:
+                print(f"{dtype:8s} {impl:22s} speedup over cuBLAS (graph): geomean M>=2048 {geomean(big.values()):.2f} "
+                      f"(min {min(big.values(), default=float('nan')):.2f}), all {geomean(allm.values()):.2f}; "
+                      f"eager geomean {geomean(eager.values()):.2f}")
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, dtype in zip(axes, ("float16", "bfloat16")):
+        for impl, style in (("sparsecc", "-o"), ("torch-semi-structured", ":x"), ("sparsecc-dense", "--.")):
+            data = speedups(result, impl, dtype)
+            for n, k in sorted({(key[1], key[2]) for key in data}):
+                points = sorted((m, s) for (m, nn, kk), s in data.items() if (nn, kk) == (n, k))
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{impl} {n}x{k}", alpha=0.8)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("M (rows of x)")
+        ax.set_title(f"{dtype}: speedup over cuBLAS F.linear+bias+relu (CUDA graph)")
+    axes[0].set_ylabel("speedup")
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

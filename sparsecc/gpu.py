@@ -1,0 +1,212 @@
+"""sparsecc's own CUDA path: weights packed for the generated kernels, and the custom op
+that runs them.
+
+``sparsecc::linear_kernel`` runs a site on a generated CUTLASS kernel: a 2:4 weight in the
+layout CUTLASS's compressor produces (values plus metadata), or a dense weight. Its
+``kernels`` argument is a dispatch table by batch size M, ``"16=symbolA;0=symbolB"``: the
+first entry whose bound is >= M (0 = no bound) runs, so each M range has its own tiling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import runtime
+from .build import toolchain
+from .codegen import Family, KernelSpec, Schedule
+from .epilogue import ACTIVATION_CODES, Activation
+from .errors import InputError, KernelBuildError, SparseccError
+from .formats import NM_2_4, PackedWeight
+
+#: alignment the kernels need: K a multiple of 16 (the compressor's chunk), N a multiple of 8
+#: (16-byte rows of the output); other shapes run on torch and the plan says so
+K_MULTIPLE, N_MULTIPLE = 16, 8
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+#: tilings per family, by M range (rows of x): small M wants narrow N tiles (more CTAs over
+#: the weight), large M wide ones. Chosen by benchmarks/kernels.py on an H100.
+SPARSE_DISPATCH = ((128, dict(tile=(128, 64, 128), cluster=(1, 1))),
+                   (0, dict(tile=(128, 256, 128), cluster=(1, 1))))
+DENSE_DISPATCH = ((128, dict(tile=(128, 64, 64), cluster=(1, 1))),
+                  (0, dict(tile=(128, 256, 64), cluster=(1, 1))))
+
+
+#: the tilings benchmarks/kernels.py measures to pick the dispatch tables above
+TUNING_CANDIDATES = {
+    Family.SM90_SPARSE24: [dict(tile=(128, 64, 128)), dict(tile=(128, 128, 128)),
+                           dict(tile=(128, 128, 128), cluster=(2, 1)), dict(tile=(128, 256, 128)),
+                           dict(tile=(256, 128, 128)), dict(tile=(64, 128, 128), schedule=Schedule.PINGPONG)],
+    Family.SM90_DENSE: [dict(tile=(128, 64, 64)), dict(tile=(128, 128, 64)), dict(tile=(128, 256, 64)),
+                        dict(tile=(256, 128, 64), cluster=(2, 1))],
+}
+
+
+def tuning_specs(dtype: torch.dtype) -> list[KernelSpec]:
+    name = str(dtype).replace("torch.", "")
+    return [KernelSpec(family, name, **config) for family, configs in TUNING_CANDIDATES.items() for config in configs]
+
+
+def kernels_unavailable(device: torch.device) -> str | None:
+    """Why sparsecc's kernels cannot run on ``device``, or None if they can."""
+    if device.type != "cuda":
+        return "sparsecc's kernels run on CUDA GPUs"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the generated kernels target sm_90a (Hopper); this GPU is sm_{major}{minor}"
+    try:
+        toolchain()
+    except KernelBuildError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """Why a weight of this shape and dtype cannot use the kernels, or None."""
+    if dtype not in KERNEL_DTYPES:
+        return f"the kernels take float16/bfloat16, not {str(dtype).replace('torch.', '')}"
+    if in_features % K_MULTIPLE or out_features % N_MULTIPLE:
+        return (f"the kernels need K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0 "
+                f"(this weight is {out_features}x{in_features})")
+    return None
+
+
+def dispatch_specs(family: Family, dtype: torch.dtype, table=None) -> list[tuple[int, KernelSpec]]:
+    name = str(dtype).replace("torch.", "")
+    table = table or (SPARSE_DISPATCH if family is Family.SM90_SPARSE24 else DENSE_DISPATCH)
+    return [(bound, KernelSpec(family, name, schedule=Schedule.COOPERATIVE, **config)) for bound, config in table]
+
+
+def dispatch_string(entries: list[tuple[int, KernelSpec]]) -> str:
+    return ";".join(f"{bound}={spec.symbol}" for bound, spec in entries)
+
+
+@lru_cache(maxsize=None)
+def _parse_dispatch(text: str) -> tuple[tuple[int, str], ...]:
+    entries = []
+    for item in text.split(";"):
+        bound, _, symbol = item.partition("=")
+        entries.append((int(bound), symbol))
+    return tuple(entries)
+
+
+def kernel_for(text: str, m: int) -> runtime.Kernel:
+    for bound, symbol in _parse_dispatch(text):
+        if bound == 0 or m <= bound:
+            return runtime.get(symbol)
+    raise SparseccError(f"no kernel in {text!r} takes M={m}")
+
+
+@dataclass
+class CutlassSparse24Weight(PackedWeight):
+    """A 2:4 weight in the layout the sm90 kernels read: compressed values and metadata."""
+
+    values: torch.Tensor      # compressed values, flat, the weight's dtype
+    metadata: torch.Tensor    # uint8, flat
+    out_features: int
+    in_features: int
+    kernels: str = ""         # the dispatch table the op runs
+
+    spec = NM_2_4
+    op = None   # sparsecc::linear_kernel, set at the end of this module once the op exists
+
+    @property
+    def extra_args(self) -> tuple:
+        return (self.kernels,)
+
+    @property
+    def shape(self):  # type: ignore[override]
+        return (self.out_features, self.in_features)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CutlassSparse24Weight":
+        """Compress ``weight`` (a 2:4 [N, K] CUDA tensor) with CUTLASS's compressor kernel."""
+        if weight.device.type != "cuda":
+            raise InputError("CUTLASS 2:4 packing runs on the GPU: move the weight to CUDA first")
+        reason = shape_supported(*weight.shape, weight.dtype)
+        if reason:
+            raise InputError(reason)
+        compressor = runtime.ensure([KernelSpec(Family.SM90_COMPRESS24, str(weight.dtype).replace("torch.", ""))],
+                                    progress=progress)
+        kernel = next(iter(compressor.values()))
+        n, k = weight.shape
+        value_count, metadata_bytes = kernel.sizes(n, k)
+        dense = weight.detach().contiguous()
+        values = torch.zeros(value_count, dtype=weight.dtype, device=weight.device)
+        metadata = torch.zeros(metadata_bytes, dtype=torch.uint8, device=weight.device)
+        with torch.cuda.device(weight.device):
+            kernel.compress(dense.data_ptr(), values.data_ptr(), metadata.data_ptr(), n, k,
+                            torch.cuda.current_stream().cuda_stream)
+        table = dispatch_specs(Family.SM90_SPARSE24, weight.dtype)
+        runtime.ensure([spec for _, spec in table], progress=progress)
+        return cls(values, metadata, n, k, dispatch_string(table))
+
+    def tensors(self):
+        return {"values": self.values, "metadata": self.metadata}
+
+    def scalars(self):
+        return {"out_features": self.out_features, "in_features": self.in_features}
+
+    def to_dense(self) -> torch.Tensor:
+        """Unpack exactly by running the kernel on an identity: I @ W^T = W^T (fp32 accumulation
+        of one product per output; every value is representable, so nothing rounds)."""
+        eye = torch.eye(self.in_features, dtype=self.values.dtype, device=self.values.device)
+        return linear_kernel(eye, self.values, self.metadata, self.out_features, self.in_features, None,
+                             "none", False, False, self.kernels).t().contiguous()
+
+
+@torch.library.custom_op("sparsecc::linear_kernel", mutates_args=())
+def linear_kernel(x: Tensor, weight: Tensor, metadata: Optional[Tensor], out_features: int, in_features: int,
+                  bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool,
+                  kernels: str) -> Tensor:
+    """A site on a generated kernel: ``weight`` is the compressed 2:4 values with their
+    ``metadata``, or (metadata None) the dense [N, K] weight."""
+    raise InputError("sparsecc::linear_kernel runs generated CUDA kernels: this module was compiled for a "
+                     f"CUDA GPU and cannot run on {x.device.type}; compile it again for this device")
+
+
+@linear_kernel.register_kernel("cuda")
+def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
+    if x.dtype != weight.dtype:
+        raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's {weight.dtype}")
+    code = ACTIVATION_CODES[Activation.parse(activation).value]
+    one_dim = x.dim() == 1
+    xt = x.transpose(-1, -2) if x_transposed and not one_dim else x
+    if xt.shape[-1] != in_features:
+        raise InputError(f"sparsecc linear: input has {xt.shape[-1]} features along K, the weight expects {in_features}")
+    lead = tuple(xt.shape[:-1])
+    rows = xt.reshape(-1, in_features)
+    if not rows.is_contiguous() or rows.data_ptr() % 16:
+        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
+    m = rows.shape[0]
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    if m > 0:
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        kernel = kernel_for(kernels, m)
+        kernel.gemm(weight.data_ptr(), metadata.data_ptr() if metadata is not None else 0, rows.data_ptr(),
+                    bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
+                    code, torch.cuda.current_stream(x.device).cuda_stream)
+    y = y.reshape(*lead, out_features)
+    if transpose_out and not one_dim:
+        y = y.transpose(-1, -2).contiguous()
+    return y
+
+
+@linear_kernel.register_fake
+def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
+    if x.dim() == 1:
+        return x.new_empty(out_features)
+    lead = list(x.shape[:-2]) + [x.shape[-1]] if x_transposed else list(x.shape[:-1])
+    shape = lead + [out_features]
+    if transpose_out:
+        shape[-1], shape[-2] = shape[-2], shape[-1]
+    return x.new_empty(shape)
+
+
+CutlassSparse24Weight.op = torch.ops.sparsecc.linear_kernel.default

@@ -1,0 +1,135 @@
+"""The generated CUTLASS kernels on the GPU (skipped without a Hopper GPU and nvcc):
+exact 2:4 compression, every kernel against an fp64 reference, every activation, odd
+shapes and batch sizes, poisoned outputs, other operand layouts, CUDA graphs, and compile."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sparsecc
+from sparsecc import gpu, runtime
+from sparsecc.codegen import Family, KernelSpec
+from sparsecc.epilogue import ACTIVATION_CODES, apply_activation
+
+from conftest import TOLERANCE, n_m, rel_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or gpu.kernels_unavailable(torch.device("cuda")) is not None,
+    reason=f"needs a Hopper GPU and nvcc: {gpu.kernels_unavailable(torch.device('cuda')) if torch.cuda.is_available() else 'no CUDA'}")]
+
+DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [(264, 1040), (1024, 4096), (3072, 768)]     # N, K: not multiples of the tiles, and real ones
+ROWS = [1, 7, 33, 1000]
+
+
+def sparse_weight(n, k, dtype, seed=0):
+    return n_m(n, k, 2, 4, torch.Generator().manual_seed(seed)).to(dtype).cuda()
+
+
+def reference(x, w, bias, activation):
+    y = x.double() @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return apply_activation(y, activation)
+
+
+def run_poisoned(kernel, a, e, x, bias, n, activation, transpose_out=False, x_transposed=False):
+    """Call the kernel directly on a NaN-filled output and return it."""
+    m = x.shape[1] if x_transposed else x.shape[0]
+    k = x.shape[0] if x_transposed else x.shape[1]
+    y = torch.full((n, m) if transpose_out else (m, n), float("nan"), dtype=x.dtype, device="cuda")
+    kernel.gemm(a.data_ptr(), e.data_ptr() if e is not None else 0, x.data_ptr(),
+                bias.data_ptr() if bias is not None else 0, y.data_ptr(), n, m, k, ACTIVATION_CODES[activation],
+                torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_compression_round_trips_exactly(dtype, shape):
+    w = sparse_weight(*shape, dtype)
+    packed = gpu.CutlassSparse24Weight.from_dense(w)
+    assert packed.values.numel() >= w.numel() // 2
+    assert torch.equal(packed.to_dense(), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", [Family.SM90_SPARSE24, Family.SM90_DENSE])
+def test_every_kernel_matches_the_reference(dtype, family):
+    table = gpu.dispatch_specs(family, dtype)
+    kernels = runtime.ensure([spec for _, spec in table] + [KernelSpec(family, str(dtype)[6:], **c)
+                                                              for c in gpu.TUNING_CANDIDATES[family]])
+    gen = torch.Generator().manual_seed(7)
+    for n, k in SHAPES:
+        w = sparse_weight(n, k, dtype, seed=n + k)
+        if family is Family.SM90_SPARSE24:
+            packed = gpu.CutlassSparse24Weight.from_dense(w)
+            a, e = packed.values, packed.metadata
+        else:
+            a, e = w, None
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+            bias = torch.randn(n, generator=gen).to(dtype).cuda()
+            for kernel in kernels.values():
+                for activation in ACTIVATION_CODES:
+                    for b in (bias, None):
+                        y = run_poisoned(kernel, a, e, x, b, n, activation)
+                        assert not torch.isnan(y).any(), (kernel.spec.symbol, rows, n, k, "unwritten output")
+                        error = rel_error(y, reference(x, w, b, activation))
+                        assert error < TOLERANCE[dtype], (kernel.spec.symbol, rows, n, k, activation, error)
+
+
+@pytest.mark.parametrize("family", [Family.SM90_SPARSE24, Family.SM90_DENSE])
+@pytest.mark.parametrize("layout", [dict(x_transposed=True), dict(transpose_out=True)])
+def test_other_operand_layouts(family, layout):
+    dtype = torch.float16
+    kernel = runtime.ensure([KernelSpec(family, "float16", **layout)]).popitem()[1]
+    n, k, rows = 264, 1040, 40                               # rows a multiple of 8: 16-byte aligned
+    w = sparse_weight(n, k, dtype, seed=3)
+    a, e = (gpu.CutlassSparse24Weight.from_dense(w).values, gpu.CutlassSparse24Weight.from_dense(w).metadata) \
+        if family is Family.SM90_SPARSE24 else (w, None)
+    x = torch.randn(rows, k, dtype=dtype, device="cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda")
+    operand = x.t().contiguous() if layout.get("x_transposed") else x
+    y = run_poisoned(kernel, a, e, operand, bias, n, "gelu", **layout)
+    ref = reference(x, w, bias, "gelu")
+    assert rel_error(y, ref.t() if layout.get("transpose_out") else ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_under_cuda_graph_capture(dtype):
+    w = sparse_weight(1024, 4096, dtype)
+    packed = gpu.CutlassSparse24Weight.from_dense(w)
+    bias = torch.randn(1024, dtype=dtype, device="cuda")
+    x = torch.randn(16, 4096, dtype=dtype, device="cuda")
+    args = (packed.values, packed.metadata, 1024, 4096, bias, "silu", False, False, packed.kernels)
+    eager = gpu.linear_kernel(x, *args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpu.linear_kernel(x, *args)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(captured, reference(x, w, bias, "silu")) < TOLERANCE[dtype]
+    assert not torch.equal(captured, eager)
+
+
+def test_compile_runs_24_sites_on_the_kernel():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.Linear(1024, 20)).half().cuda().eval()
+    with torch.no_grad():
+        for layer in (model[0], model[2], model[3]):
+            layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, torch.Generator().manual_seed(1)).half())
+    x = torch.randn(2, 64, 1024, dtype=torch.float16, device="cuda")
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    plan = compiled.sparsecc_plan
+    assert [s.choice for s in plan] == ["2:4", "2:4", "2:4"]
+    assert "not sparsecc's kernel" in plan["3"].reason            # N=20: not a multiple of 8
+    ops_used = {str(n.target) for n in compiled.graph.nodes if n.op == "call_function"}
+    assert "sparsecc.linear_kernel.default" in ops_used and "sparsecc.linear_nm.default" in ops_used
+    with torch.no_grad():
+        for rows in (1, 5, 64):
+            fresh = torch.randn(3, rows, 1024, dtype=torch.float16, device="cuda")
+            got, want = compiled(fresh), model(fresh)
+            assert rel_error(got, want) < 1e-2

@@ -24,8 +24,8 @@ ADD = {operator.add, torch.add, aten.add.Tensor}
 ADD_METHODS = {"add", "__add__"}
 
 RELU = {F.relu, torch.relu, aten.relu.default, aten.relu_.default, torch.relu_, F.relu_}
-GELU = {F.gelu, aten.gelu.default}
-SILU = {F.silu, aten.silu.default, aten.silu_.default}
+GELU = {F.gelu, torch._C._nn.gelu, aten.gelu.default}
+SILU = {F.silu, torch._C._nn.silu, aten.silu.default, aten.silu_.default}
 ACTIVATION_MODULES = {nn.ReLU: Activation.RELU, nn.SiLU: Activation.SILU}
 
 

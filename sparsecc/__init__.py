@@ -13,6 +13,10 @@ from .errors import (FormatError, InputError, KernelBuildError, PatternError, Pl
                      SparseccError, TraceError)
 from .formats import FormatSpec, pack
 from .plan import Plan
+from .pruning import prune
+from . import backend as _backend
 
-__all__ = ["compile", "plan", "Plan", "CostModel", "FormatSpec", "pack", "SparseccError", "InputError",
+_backend.register()
+
+__all__ = ["compile", "plan", "prune", "Plan", "CostModel", "FormatSpec", "pack", "SparseccError", "InputError",
            "TraceError", "FormatError", "PatternError", "PlanError", "KernelBuildError", "__version__"]

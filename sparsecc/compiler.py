@@ -70,7 +70,7 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     """
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
     prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
-    decisions = _pack_choices(prepared, prepared.cost_model)
+    decisions = pack_sites(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
     replaced = {}
     for part in prepared.traced.parts:
         names = {s.name for s in prepared.sites if s.module_path == part.path}
@@ -98,13 +98,12 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan) -> 
     for part in traced.parts:
         sites += find_linear.run(part.gm, prefix=part.path).sites
         fuse_epilogue.run(part.gm)
-    stats = _analyze_all(sites, allowed)
+    stats = analyze_sites(sites, allowed)
     model_cost = cost_model or CostModel(target)
     if given_plan is not None:
         the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
     else:
-        the_plan = Plan([_plan_site(s, stats[s.name], model_cost, allowed) for s in sites],
-                        device=str(target), untraced=traced.untraced)
+        the_plan = plan_sites(sites, stats, model_cost, allowed, target, traced.untraced)
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost)
 
 
@@ -129,7 +128,8 @@ def _target_device(model: nn.Module, device) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _analyze_all(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
+def analyze_sites(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
+    """Measure each site's weight once (sites sharing a weight share the result)."""
     groups = tuple(s.m for s in allowed or () if s.kind == "nm")
     blocks = tuple(s.block for s in allowed or () if s.kind == "bsr" and s.block)
     by_weight: dict[tuple, WeightStats] = {}
@@ -140,6 +140,12 @@ def _analyze_all(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
             by_weight[key] = analyze(site.weight, extra_group_sizes=groups, extra_blocks=blocks)
         stats[site.name] = by_weight[key]
     return stats
+
+
+def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=None) -> Plan:
+    """The cost model's decision for every site."""
+    return Plan([_plan_site(s, stats[s.name], cost_model, allowed) for s in sites], device=str(device),
+                untraced=untraced or {})
 
 
 def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed) -> SitePlan:
@@ -180,19 +186,20 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
     return Plan(replayed, device=str(target), untraced=untraced)
 
 
-def _pack_choices(prepared: _Prepared, cost_model: CostModel) -> dict[str, object]:
+def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, object]:
     """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4 on Hopper),
-    else in the format's portable layout that the torch implementations read."""
+    else in the format's portable layout that the torch implementations read. Returns the
+    decisions splice takes (site name -> packed weight, or None for dense)."""
     decisions = {}
     packed_by_weight = {}
-    for site in prepared.sites:
-        choice = FormatSpec.parse(prepared.plan[site.name].choice)
+    for site in sites:
+        choice = FormatSpec.parse(plan[site.name].choice)
         if choice.kind == "dense":
             decisions[site.name] = None
             continue
         key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))
         if key not in packed_by_weight:
-            if cost_model.uses_kernel(prepared.stats[site.name], choice):
+            if cost_model.uses_kernel(stats[site.name], choice):
                 packed_by_weight[key] = CutlassSparse24Weight.from_dense(site.weight, progress=True)
             else:
                 packed_by_weight[key] = pack(site.weight, choice)

@@ -1,0 +1,130 @@
+"""``torch.compile(model, backend="sparsecc")``: the same passes, inside Dynamo.
+
+Dynamo hands over each captured graph with the model's parameters as graph inputs (the
+default ``inline_inbuilt_nn_modules``). The backend recognises them by their type, plans
+and rewrites the sparse sites exactly as ``sparsecc.compile`` does, and hands the rewritten
+graph to Inductor (or runs it as is, ``inductor=False``). A graph break or an op sparsecc does
+not know only means fewer sites: everything else runs as Inductor would run it.
+
+Packed weights are derived from the parameters they came from, so each call checks, per
+packed weight, that its parameter is the same tensor with the same version counter: a weight
+modified in place (an optimizer step, ``copy_``) or replaced makes the graph be planned,
+packed and compiled again before it runs. A stale weight is never used.
+
+Registered as ``sparsecc`` through the ``torch_dynamo_backends`` entry point (so
+``backend="sparsecc"`` works without importing sparsecc) and with
+``torch._dynamo.register_backend``. :func:`make_backend` builds one with options.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .compiler import analyze_sites, pack_sites, plan_sites
+from .cost import CostModel
+from .formats import FormatSpec
+from .passes import find_linear, fuse_epilogue, splice
+from .plan import Plan
+
+log = logging.getLogger("sparsecc")
+
+
+@dataclass
+class _Watched:
+    index: int
+    tensor_id: int
+    version: int
+    data_ptr: int
+
+
+@dataclass
+class SparseGraph:
+    """A Dynamo graph with its sparse sites rewritten; rebuilt when a packed weight's source
+    parameter changes."""
+
+    original: fx.GraphModule
+    formats: list[FormatSpec] | None
+    inductor: bool
+    cost_model: CostModel | None
+    plan: Plan | None = None
+    rebuilds: int = 0
+    _fn: object = None
+    _watched: list[_Watched] = field(default_factory=list)
+
+    def build(self, inputs: list) -> None:
+        gm = fx.GraphModule(self.original, copy.deepcopy(self.original.graph))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        constants = {node.target: (node.target, value) for node, value in zip(placeholders, inputs)
+                     if isinstance(value, nn.Parameter)}
+        index_of = {node.target: i for i, node in enumerate(placeholders)}
+        _propagate(gm, inputs)
+        sites = find_linear.run(gm, placeholders=constants).sites
+        fuse_epilogue.run(gm, placeholders=constants)
+        device = next((v.device for v in inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        cost_model = self.cost_model or CostModel(device)
+        stats = analyze_sites(sites, self.formats)
+        self.plan = plan_sites(sites, stats, cost_model, self.formats, device)
+        decisions = pack_sites(sites, stats, self.plan, cost_model)
+        splice.run(gm, decisions)
+        self._watched = [_Watched(index_of[s.weight_name], id(inputs[index_of[s.weight_name]]),
+                                  inputs[index_of[s.weight_name]]._version, inputs[index_of[s.weight_name]].data_ptr())
+                         for s in sites if decisions.get(s.name) is not None and s.weight_name in index_of]
+        if self.inductor:
+            from torch._inductor.compile_fx import compile_fx
+            self._fn = compile_fx(gm, list(inputs))
+        else:
+            self._fn = gm.forward
+
+    def __call__(self, *args):
+        for watched in self._watched:
+            weight = args[watched.index]
+            if (id(weight), weight._version, weight.data_ptr()) != (watched.tensor_id, watched.version, watched.data_ptr):
+                log.info("a packed weight's parameter changed: planning and packing this graph again")
+                self.rebuilds += 1
+                self.build(list(args))
+                break
+        return self._fn(*args)
+
+
+def _propagate(gm: fx.GraphModule, inputs: list) -> None:
+    """Shapes for the passes (rank checks, observed M); fake or symbolic inputs are skipped."""
+    if all(isinstance(v, (torch.Tensor, int, float, bool)) for v in inputs):
+        try:
+            with torch.no_grad():
+                ShapeProp(gm).propagate(*inputs)
+        except Exception as error:  # noqa: BLE001 - shapes only refine the plan
+            log.debug("shape propagation skipped: %s", error)
+
+
+#: the graphs compiled through the backend in this process, newest last (for inspection)
+COMPILED: list[SparseGraph] = []
+
+
+def make_backend(*, formats=None, inductor: bool = True, cost_model: CostModel | None = None):
+    """A Dynamo backend with options: ``formats`` restricts the candidates as in
+    ``sparsecc.compile``; ``inductor=False`` runs the rewritten graph without Inductor."""
+    allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        graph = SparseGraph(gm, allowed, inductor, cost_model)
+        graph.build(list(example_inputs))
+        COMPILED.append(graph)
+        return graph
+
+    return backend
+
+
+sparsecc_backend = make_backend()
+
+
+def register() -> None:
+    """Register ``sparsecc`` with Dynamo (the entry point does this without an import)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    if "sparsecc" not in _BACKENDS or _BACKENDS.get("sparsecc") is None:
+        register_backend(compiler_fn=sparsecc_backend, name="sparsecc")

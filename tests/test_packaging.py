@@ -2,6 +2,7 @@
 passes (sparsecc.passes, from passes/) and the templates (sparsecc.templates, from
 templates/)."""
 import importlib.resources
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,8 +25,11 @@ def test_installed_package_finds_passes_and_templates():
 
 @pytest.mark.slow
 def test_wheel_contains_passes_and_templates(tmp_path):
+    source = tmp_path / "src"            # build from a copy: setuptools writes build files in place
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".kcache", ".whl", ".ci-venv", "venv",
+                                                                 "build", "*.egg-info", "__pycache__", "results"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
+                    "-w", str(tmp_path), str(source)], check=True, cwd=tmp_path)
     wheel = next(tmp_path.glob("sparsecc-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in (ROOT / "passes").glob("*.py"):

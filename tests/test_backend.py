@@ -1,0 +1,113 @@
+"""The torch.compile backend on CPU: registered by name, lossless on Hugging Face models,
+weight guards, dynamic batch, graph breaks."""
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsecc
+from sparsecc.backend import COMPILED, make_backend
+
+from conftest import assert_rel_close
+from models import bert, gpt2, llama, sparsify_24
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    COMPILED.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_backend_is_registered_by_name():
+    from torch._dynamo import list_backends
+    assert "sparsecc" in list_backends()
+    model = nn.Sequential(nn.Linear(16, 8)).eval()
+    compiled = torch.compile(model, backend="sparsecc")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+    names = {e.name: e.value for e in entry_points(group="torch_dynamo_backends")}
+    assert names.get("sparsecc") == "sparsecc.backend:sparsecc_backend"
+
+
+@pytest.mark.parametrize("build", [bert, gpt2, llama], ids=["bert", "gpt2", "llama"])
+def test_hugging_face_models_through_the_backend(build):
+    torch.manual_seed(0)
+    model = build()
+    sparsify_24(model)
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+    with torch.no_grad():
+        for shape in [(2, 8), (3, 5)]:
+            ids = torch.randint(0, 100, shape)
+            assert_rel_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, torch.float32, factor=10)
+    choices = [c for graph in COMPILED for c in graph.plan.choices().values()]
+    assert choices and choices.count("2:4") >= 6
+
+
+def test_inductor_takes_the_rest_of_the_graph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16)).eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",)))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    assert list(COMPILED[-1].plan.choices().values()) == ["2:4", "2:4"]
+
+
+def test_changed_weights_are_never_used_stale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        compiled(x)
+        model[0].weight.mul_(-3.0)                       # in place: still 2:4
+        assert_rel_close(compiled(x), model(x), torch.float32)
+        model[2].weight.add_(1.0)                        # in place: now dense
+        assert_rel_close(compiled(x), model(x), torch.float32)
+        model[0].weight = nn.Parameter(torch.randn(32, 32))   # replaced
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    graph = COMPILED[-1]
+    assert graph.rebuilds >= 2 and graph.plan.choices() and "dense" in graph.plan.choices().values()
+
+
+def test_dynamic_batch_does_not_recompile_per_size():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 8)).eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False), dynamic=True)
+    with torch.no_grad():
+        for rows in (2, 5, 17, 64):
+            x = torch.randn(rows, 32)
+            assert_rel_close(compiled(x), model(x), torch.float32)
+    assert len(COMPILED) == 1
+
+
+def test_graph_breaks_and_unknown_ops_run_as_usual():
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if h.sum() > 0:                           # data-dependent: a graph break
+                h = h * 2
+            print_ok = torch.special.erfcx(h)          # an op sparsecc has no rule for
+            return self.b(h + print_ok * 0)
+
+    torch.manual_seed(0)
+    model = Breaks().eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    assert len(COMPILED) >= 2

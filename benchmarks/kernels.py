@@ -4,21 +4,24 @@
 - ``torch-semi-structured``: ``to_sparse_semi_structured`` (cuSPARSELt) then ``relu``,
 - ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
 - ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
-- ``sparsecc-config`` rows: every tiling sparsecc can dispatch to, to choose the tables.
+- ``sparsecc-config`` rows: every launch (tiling and scheduler knobs) sparsecc can dispatch
+  to; their winners are the tuning table (``--tuning-out``, copied to sparsecc/tuning.json).
 
 Each is timed as a CUDA-graph replay (``us``, kernel time: speedups are quoted on these) and
 eagerly (``us_eager``, what a caller without graphs sees), and checked against an fp32
-reference (``rel_err``). Extra keys: ``config`` (kernel symbol) on per-config rows, ``error``
-when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
+reference (``rel_err``). Extra keys: ``config`` (launch label) and ``launch`` (its spec and
+knobs) on per-config rows, ``error`` when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
 and a plot beside it.
 
-    python benchmarks/kernels.py [--quick]
+    python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
-from sparsecc.codegen import Family, KernelSpec  # noqa: E402
+from sparsecc.codegen import Family  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [1, 16, 128, 2048, 8192]
@@ -43,19 +46,25 @@ def two_four(n: int, k: int, dtype, gen) -> torch.Tensor:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes, three batch sizes")
-    parser.add_argument("--no-configs", action="store_true", help="skip the per-tiling rows")
+    parser.add_argument("--sweep", nargs="*", default=["float16", "bfloat16"],
+                        help="dtypes whose candidate launches are all measured (none: skip)")
+    parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
+    parser.add_argument("--tuning-out", help="write the winning launches here (a tuning table)")
     args = parser.parse_args(argv)
     shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (SHAPES, MS)
     result = environment("kernels")
+    result["dispatch"] = "sparsecc/tuning.json" if __import__("sparsecc.tuning").tuning.table()["entries"] else "defaults"
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float16, torch.bfloat16):
-        name = str(dtype).replace("torch.", "")
-        sparse_table = gpu.dispatch_string(gpu.dispatch_specs(Family.SM90_SPARSE24, dtype))
-        dense_table = gpu.dispatch_string(gpu.dispatch_specs(Family.SM90_DENSE, dtype))
-        configs = [] if args.no_configs else gpu.tuning_specs(dtype)
-        runtime.ensure([s for _, s in gpu.dispatch_specs(Family.SM90_SPARSE24, dtype)]
-                       + [s for _, s in gpu.dispatch_specs(Family.SM90_DENSE, dtype)] + configs)
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        launches = (gpu.candidates(Family.SM90_SPARSE24, dtype) + gpu.candidates(Family.SM90_DENSE, dtype)
+                    if name in args.sweep else [])
+        tables = {(family, n, k): gpu.dispatch(family, dtype, n, k)
+                  for family in (Family.SM90_SPARSE24, Family.SM90_DENSE) for n, k in shapes}
+        runtime.ensure([launch.spec for table in tables.values() for _, launch in table] + [l.spec for l in launches])
         for n, k in shapes:
+            sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
+            dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
             w = two_four(n, k, dtype, gen)
             bias = torch.randn(n, generator=gen).to(dtype).cuda()
             packed = gpu.CutlassSparse24Weight.from_dense(w)
@@ -91,14 +100,15 @@ def main(argv=None) -> dict:
                     point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
                                   "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
                 result["rows"] += point
-                for spec in configs:
-                    kernel = runtime.get(spec.symbol)
-                    sparse = spec.family is Family.SM90_SPARSE24
+                for launch in launches:
+                    sparse = launch.spec.family is Family.SM90_SPARSE24
                     a, e = (packed.values, packed.metadata) if sparse else (w, None)
-                    table = f"0={spec.symbol}"
+                    table = gpu.dispatch_string([(0, launch)])
                     fn = lambda: gpu.linear_kernel(x, a, e, n, k, bias, "relu", False, False, table)  # noqa: E731
                     row = {"impl": "sparsecc-config", "format": "2:4" if sparse else "dense",
-                           "density": 0.5 if sparse else 1.0, "config": kernel.spec.symbol, **base}
+                           "density": 0.5 if sparse else 1.0, "config": launch.label,
+                           "launch": {"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
+                                      "splits": launch.splits}, **base}
                     try:
                         row["rel_err"] = rel_err(fn(), ref)
                         row["us"] = time_graph_us(fn)
@@ -109,6 +119,12 @@ def main(argv=None) -> dict:
                 print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} " + " ".join(
                     f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)
     path = write(result)
+    if args.tuning_out:
+        from sparsecc.tuning import winners
+        tuning = {"device": result["device"], "torch": result["torch"], "cuda": result["cuda"],
+                  "date": result["date"], "source": path.name, "entries": winners(result["rows"])}
+        Path(args.tuning_out).write_text(json.dumps(tuning, indent=1))
+        print("wrote", args.tuning_out)
     plot(result, path.with_suffix(".png"))
     print_summary(result)
     print("wrote", path)

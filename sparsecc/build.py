@@ -84,7 +84,10 @@ def nvcc_command(spec: KernelSpec, tools: Toolchain, source: Path, output: Path)
 
 
 def cache_key(spec: KernelSpec, source: str, tools: Toolchain) -> str:
+    """The content address of a build. Where the compiler and the CUTLASS headers are
+    installed does not enter it (their versions do), so a cache travels between machines."""
     flags = nvcc_command(spec, tools, Path("kernel.cu"), Path("kernel.so"))[1:]
+    flags = [{str(tools.cutlass_include): "<cutlass>", str(tools.util_include): "<cutlass-util>"}.get(f, f) for f in flags]
     material = {"layout": CACHE_LAYOUT, "source": source, "flags": flags, "arch": spec.arch,
                 "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version, "templates": templates_digest()}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()

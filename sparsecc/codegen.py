@@ -42,6 +42,14 @@ class Schedule(str, enum.Enum):
     PINGPONG = "pingpong"
 
 
+class Scheduler(str, enum.Enum):
+    """How output tiles are spread over the SMs: one persistent wave, or stream-K (which
+    splits K across CTAs when there are too few tiles, e.g. small batch)."""
+
+    PERSISTENT = "persistent"
+    STREAMK = "streamk"
+
+
 DTYPES = ("float16", "bfloat16")
 _SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
 
@@ -49,7 +57,7 @@ _SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: Every sm90 2:4 tile has K = 128, so one compressed layout serves all of them.
 TILES = {
     Family.SM90_SPARSE24: {(64, 128, 128), (64, 256, 128), (128, 64, 128), (128, 128, 128),
-                           (128, 256, 128), (256, 128, 128), (256, 64, 128)},
+                           (128, 256, 128), (256, 128, 128), (256, 64, 128), (64, 64, 128)},
     Family.SM90_DENSE: {(64, 128, 64), (64, 256, 64), (128, 64, 64), (128, 128, 64), (128, 256, 64),
                         (256, 128, 64), (128, 128, 128), (128, 256, 128)},
     Family.SM90_COMPRESS24: {(128, 128, 128)},
@@ -77,10 +85,12 @@ class KernelSpec:
     tile: tuple[int, int, int] = ()
     cluster: tuple[int, int] = (1, 1)
     schedule: Schedule = Schedule.COOPERATIVE
+    scheduler: Scheduler = Scheduler.PERSISTENT
 
     def __post_init__(self):
         object.__setattr__(self, "family", Family(self.family))
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "scheduler", Scheduler(self.scheduler))
         object.__setattr__(self, "tile", tuple(self.tile) or DEFAULT_TILE[self.family])
         object.__setattr__(self, "cluster", tuple(self.cluster))
         if self.dtype not in DTYPES:
@@ -89,6 +99,8 @@ class KernelSpec:
             raise InputError(f"tile {self.tile} is not one of {sorted(TILES[self.family])} for {self.family.value}")
         if self.cluster not in CLUSTERS or (self.family.arch == "sm_80" and self.cluster != (1, 1)):
             raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
+        if self.scheduler is Scheduler.STREAMK and (self.schedule is not Schedule.COOPERATIVE or self.arch != "sm_90a"):
+            raise InputError("the stream-K scheduler needs an sm_90a family and the cooperative schedule")
         if self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a":
             raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
         if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
@@ -129,12 +141,13 @@ class KernelSpec:
         tile = "x".join(map(str, self.tile))
         cluster = "x".join(map(str, self.cluster))
         schedule = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
+        scheduler = "_sk" if self.scheduler is Scheduler.STREAMK else ""
         return (f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}"
-                f"_t{tile}_c{cluster}_{schedule}")
+                f"_t{tile}_c{cluster}_{schedule}{scheduler}")
 
     def describe(self) -> str:
         data = asdict(self)
-        data.update(family=self.family.value, schedule=self.schedule.value)
+        data.update(family=self.family.value, schedule=self.schedule.value, scheduler=self.scheduler.value)
         return json.dumps(data, sort_keys=True)
 
     @classmethod

@@ -16,7 +16,8 @@ from torch.utils import _pytree as pytree
 from . import tracing
 from .analysis import WeightStats, analyze
 from .cost import DEFAULT_M, CostModel, time_site
-from .errors import InputError, PlanError, SparseccError
+from .config import settings
+from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
 from .gpu import CutlassSparse24Weight
 from .passes import find_linear, fuse_epilogue, splice
@@ -199,12 +200,22 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
             continue
         key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))
         if key not in packed_by_weight:
-            if cost_model.uses_kernel(stats[site.name], choice):
-                packed_by_weight[key] = CutlassSparse24Weight.from_dense(site.weight, progress=True)
-            else:
-                packed_by_weight[key] = pack(site.weight, choice)
+            packed_by_weight[key] = _pack_one(site, choice, cost_model.uses_kernel(stats[site.name], choice), plan)
         decisions[site.name] = packed_by_weight[key]
     return decisions
+
+
+def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
+    if on_kernel:
+        try:
+            return CutlassSparse24Weight.from_dense(site.weight, progress=True)
+        except KernelBuildError as error:
+            if settings().on_build_error != "fallback":
+                raise
+            log.warning("%s runs on torch: its kernel did not build (SPARSECC_ON_BUILD_ERROR=fallback): %s",
+                        site.name, str(error).splitlines()[0])
+            plan[site.name].reason += f"; its kernel failed to build, so it runs on torch: {str(error).splitlines()[0]}"
+    return pack(site.weight, choice)
 
 
 def _verify(compiled: nn.Module, prepared: _Prepared) -> None:

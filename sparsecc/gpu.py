@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import runtime
 from .build import toolchain
-from .codegen import Family, KernelSpec, Schedule
+from .codegen import Family, KernelSpec, Schedule, Scheduler
 from .epilogue import ACTIVATION_CODES, Activation
 from .errors import InputError, KernelBuildError, SparseccError
 from .formats import NM_2_4, PackedWeight
@@ -27,27 +27,98 @@ from .formats import NM_2_4, PackedWeight
 K_MULTIPLE, N_MULTIPLE = 16, 8
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
-#: tilings per family, by M range (rows of x): small M wants narrow N tiles (more CTAs over
-#: the weight), large M wide ones. Chosen by benchmarks/kernels.py on an H100.
-SPARSE_DISPATCH = ((128, dict(tile=(128, 64, 128), cluster=(1, 1))),
-                   (0, dict(tile=(128, 256, 128), cluster=(1, 1))))
-DENSE_DISPATCH = ((128, dict(tile=(128, 64, 64), cluster=(1, 1))),
-                  (0, dict(tile=(128, 256, 64), cluster=(1, 1))))
+@dataclass(frozen=True)
+class Launch:
+    """A kernel and the run-time knobs of its tile scheduler: one way to run a GEMM."""
+
+    spec: KernelSpec
+    swizzle: int = 1        # rasterization swizzle of the persistent / stream-K scheduler
+    splits: int = 1         # split-K factor (stream-K kernels; 1 = the scheduler's heuristic)
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.symbol}:{self.swizzle}:{self.splits}"
 
 
-#: the tilings benchmarks/kernels.py measures to pick the dispatch tables above
-TUNING_CANDIDATES = {
-    Family.SM90_SPARSE24: [dict(tile=(128, 64, 128)), dict(tile=(128, 128, 128)),
-                           dict(tile=(128, 128, 128), cluster=(2, 1)), dict(tile=(128, 256, 128)),
-                           dict(tile=(256, 128, 128)), dict(tile=(64, 128, 128), schedule=Schedule.PINGPONG)],
-    Family.SM90_DENSE: [dict(tile=(128, 64, 64)), dict(tile=(128, 128, 64)), dict(tile=(128, 256, 64)),
-                        dict(tile=(256, 128, 64), cluster=(2, 1))],
+def _launches(family: Family, dtype: str, entries) -> list[Launch]:
+    return [Launch(KernelSpec(family, dtype, **config), **knobs) for config, knobs in entries]
+
+
+#: every way of running each family that benchmarks/kernels.py measures to build the tuning table
+_CANDIDATES = {
+    Family.SM90_SPARSE24: [
+        (dict(tile=(128, 64, 128)), {}), (dict(tile=(128, 128, 128)), {}),
+        (dict(tile=(128, 128, 128), cluster=(2, 1)), {}), (dict(tile=(256, 128, 128)), {}),
+        (dict(tile=(256, 128, 128)), dict(swizzle=8)), (dict(tile=(256, 128, 128), cluster=(2, 1)), {}),
+        (dict(tile=(256, 128, 128), cluster=(1, 2)), {}), (dict(tile=(128, 256, 128)), {}),
+        (dict(tile=(64, 128, 128), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(128, 128, 128), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(128, 64, 128), scheduler=Scheduler.STREAMK), {}),
+        (dict(tile=(128, 128, 128), scheduler=Scheduler.STREAMK), {}),
+    ],
+    Family.SM90_DENSE: [
+        (dict(tile=(128, 64, 64)), {}), (dict(tile=(128, 128, 64)), {}), (dict(tile=(128, 256, 64)), {}),
+        (dict(tile=(128, 256, 64)), dict(swizzle=8)), (dict(tile=(256, 128, 64), cluster=(2, 1)), {}),
+        (dict(tile=(128, 128, 64), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), {}),
+        (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
+    ],
 }
 
 
-def tuning_specs(dtype: torch.dtype) -> list[KernelSpec]:
+def candidates(family: Family, dtype: torch.dtype) -> list[Launch]:
+    return _launches(family, str(dtype).replace("torch.", ""), _CANDIDATES[family])
+
+
+def candidate_specs(dtype: torch.dtype) -> list[KernelSpec]:
+    return list(dict.fromkeys(l.spec for f in _CANDIDATES for l in candidates(f, dtype)))
+
+
+#: upper M bound of each dispatch bucket (0 = no bound) and the M measured for it
+M_BUCKETS = ((1, 1), (16, 16), (128, 128), (2048, 2048), (0, 8192))
+
+#: used until a tuning table exists for the GPU: narrow tiles for small batches, wide for large
+_DEFAULT_TABLE = {
+    Family.SM90_SPARSE24: {1: dict(tile=(128, 64, 128)), 16: dict(tile=(128, 64, 128)),
+                           128: dict(tile=(128, 64, 128)), 2048: dict(tile=(256, 128, 128)),
+                           0: dict(tile=(256, 128, 128))},
+    Family.SM90_DENSE: {1: dict(tile=(128, 64, 64)), 16: dict(tile=(128, 64, 64)), 128: dict(tile=(128, 64, 64)),
+                        2048: dict(tile=(128, 256, 64)), 0: dict(tile=(128, 256, 64))},
+}
+
+
+def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features: int) -> list[tuple[int, Launch]]:
+    """The launch to use per M bucket for a weight of this shape: the measured best at the
+    nearest measured shape (sparsecc/tuning.json), or the defaults above."""
+    from .tuning import best_launch
     name = str(dtype).replace("torch.", "")
-    return [KernelSpec(family, name, **config) for family, configs in TUNING_CANDIDATES.items() for config in configs]
+    table = []
+    for bound, m in M_BUCKETS:
+        launch = best_launch(family, name, m, out_features, in_features)
+        table.append((bound, launch or Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))))
+    return table
+
+
+def dispatch_string(entries: list[tuple[int, Launch]]) -> str:
+    return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}" for bound, launch in entries)
+
+
+@lru_cache(maxsize=None)
+def _parse_dispatch(text: str) -> tuple[tuple[int, str, int, int], ...]:
+    entries = []
+    for item in text.split(";"):
+        bound, _, rest = item.partition("=")
+        symbol, swizzle, splits = (rest.split(":") + ["1", "1"])[:3]
+        entries.append((int(bound), symbol, int(swizzle), int(splits)))
+    return tuple(entries)
+
+
+def kernel_for(text: str, m: int) -> tuple[runtime.Kernel, int, int]:
+    """The kernel, swizzle and splits the dispatch table ``text`` names for M rows."""
+    for bound, symbol, swizzle, splits in _parse_dispatch(text):
+        if bound == 0 or m <= bound:
+            return runtime.get(symbol), swizzle, splits
+    raise SparseccError(f"no kernel in {text!r} takes M={m}")
 
 
 def kernels_unavailable(device: torch.device) -> str | None:
@@ -74,32 +145,6 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
         return (f"the kernels need K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0 "
                 f"(this weight is {out_features}x{in_features})")
     return None
-
-
-def dispatch_specs(family: Family, dtype: torch.dtype, table=None) -> list[tuple[int, KernelSpec]]:
-    name = str(dtype).replace("torch.", "")
-    table = table or (SPARSE_DISPATCH if family is Family.SM90_SPARSE24 else DENSE_DISPATCH)
-    return [(bound, KernelSpec(family, name, schedule=Schedule.COOPERATIVE, **config)) for bound, config in table]
-
-
-def dispatch_string(entries: list[tuple[int, KernelSpec]]) -> str:
-    return ";".join(f"{bound}={spec.symbol}" for bound, spec in entries)
-
-
-@lru_cache(maxsize=None)
-def _parse_dispatch(text: str) -> tuple[tuple[int, str], ...]:
-    entries = []
-    for item in text.split(";"):
-        bound, _, symbol = item.partition("=")
-        entries.append((int(bound), symbol))
-    return tuple(entries)
-
-
-def kernel_for(text: str, m: int) -> runtime.Kernel:
-    for bound, symbol in _parse_dispatch(text):
-        if bound == 0 or m <= bound:
-            return runtime.get(symbol)
-    raise SparseccError(f"no kernel in {text!r} takes M={m}")
 
 
 @dataclass
@@ -142,8 +187,8 @@ class CutlassSparse24Weight(PackedWeight):
         with torch.cuda.device(weight.device):
             kernel.compress(dense.data_ptr(), values.data_ptr(), metadata.data_ptr(), n, k,
                             torch.cuda.current_stream().cuda_stream)
-        table = dispatch_specs(Family.SM90_SPARSE24, weight.dtype)
-        runtime.ensure([spec for _, spec in table], progress=progress)
+        table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
+        runtime.ensure([launch.spec for _, launch in table], progress=progress)
         return cls(values, metadata, n, k, dispatch_string(table))
 
     def tensors(self):
@@ -188,10 +233,13 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     if m > 0:
         if bias is not None:
             bias = bias.to(x.dtype).contiguous()
-        kernel = kernel_for(kernels, m)
+        kernel, swizzle, splits = kernel_for(kernels, m)
+        workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=x.device) if workspace_bytes else None
         kernel.gemm(weight.data_ptr(), metadata.data_ptr() if metadata is not None else 0, rows.data_ptr(),
                     bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
-                    code, torch.cuda.current_stream(x.device).cuda_stream)
+                    code, torch.cuda.current_stream(x.device).cuda_stream, swizzle=swizzle, splits=splits,
+                    workspace=workspace.data_ptr() if workspace is not None else 0)
     y = y.reshape(*lead, out_features)
     if transpose_out and not one_dim:
         y = y.transpose(-1, -2).contiguous()

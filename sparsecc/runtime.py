@@ -41,17 +41,29 @@ class Kernel:
             self._compress.restype = _INT
         else:
             self._run = getattr(self.library, f"{symbol}_run")
-            self._run.argtypes = [_VOID, _VOID, _VOID, _VOID, _VOID, _INT, _INT, _INT, _INT, _VOID]
+            self._run.argtypes = [_VOID, _VOID, _VOID, _VOID, _VOID, _INT, _INT, _INT, _INT, _INT, _INT, _VOID, _VOID]
             self._run.restype = _INT
+            self._workspace_size = getattr(self.library, f"{symbol}_workspace_size")
+            self._workspace_size.argtypes = [_INT, _INT, _INT, _INT, _INT]
+            self._workspace_size.restype = ctypes.c_longlong
+            self._workspace_sizes: dict[tuple, int] = {}
 
     def _check(self, code: int) -> None:
         if code != 0:
             raise KernelRunError(self._error().decode(errors="replace") or f"{self.spec.symbol} returned {code}")
 
+    def workspace_size(self, m: int, n: int, k: int, swizzle: int = 1, splits: int = 1) -> int:
+        """Bytes of workspace a call needs (stream-K only; remembered per shape)."""
+        key = (m, n, k, swizzle, splits)
+        if key not in self._workspace_sizes:
+            self._workspace_sizes[key] = int(self._workspace_size(m, n, k, swizzle, splits))
+        return self._workspace_sizes[key]
+
     def gemm(self, a: int, e: int, b: int, bias: int, d: int, m: int, n: int, k: int,
-             activation: int, stream: int) -> None:
+             activation: int, stream: int, *, swizzle: int = 1, splits: int = 1, workspace: int = 0) -> None:
         """GEMM sizes: m = out features, n = rows of x, k = in features (pointers as ints)."""
-        self._check(self._run(a, e, b, bias or None, d, m, n, k, activation, stream))
+        self._check(self._run(a, e, b, bias or None, d, m, n, k, activation, swizzle, splits,
+                              workspace or None, stream))
 
     def sizes(self, m: int, k: int) -> tuple[int, int]:
         """Compressed value elements and metadata bytes of an m x k 2:4 weight."""

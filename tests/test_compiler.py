@@ -223,3 +223,27 @@ def test_fused_epilogues_in_hugging_face_blocks():
     assert plan["layers.0.mlp.gate_proj"].epilogue == "silu"
     plan = sparsecc.plan(bert(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
     assert plan["encoder.layer.0.intermediate.dense"].epilogue == "bias+gelu"
+
+
+def test_kernel_build_failure_raises_or_falls_back(monkeypatch, gen):
+    """A 2:4 site whose kernel does not build: KernelBuildError by default, torch (with the
+    reason in the plan) when SPARSECC_ON_BUILD_ERROR=fallback."""
+    from sparsecc.errors import KernelBuildError
+
+    def broken(weight, progress=False):
+        raise KernelBuildError("nvcc failed to compile sparsecc_x", command=["nvcc", "x.cu"], stderr="boom",
+                               source_path="/tmp/x.cu")
+
+    monkeypatch.setattr(sparsecc.compiler.CutlassSparse24Weight, "from_dense", staticmethod(broken))
+    monkeypatch.setattr(CostModel, "uses_kernel", lambda self, stats, spec: spec.kind == "nm")
+    model = mlp((32, 16)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(16, 32, 2, 4, gen))
+    x = torch.randn(3, 32)
+    with pytest.raises(sparsecc.KernelBuildError, match="nvcc failed") as caught:
+        sparsecc.compile(model, x, formats=("2:4",))
+    assert caught.value.command == ["nvcc", "x.cu"] and caught.value.source_path == "/tmp/x.cu"
+    monkeypatch.setenv("SPARSECC_ON_BUILD_ERROR", "fallback")
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    assert compiled.sparsecc_plan["0"].choice == "2:4" and "failed to build" in compiled.sparsecc_plan["0"].reason
+    assert_rel_close(compiled(x), model(x), torch.float32)

@@ -1,0 +1,38 @@
+"""The kernels a GPU session needs: the fp16 candidates the tuning sweep measures, the
+compressors, the other operand layouts the tests check, and every launch the dispatch
+tables name for the benchmark's shapes in both dtypes. Prebuilt into a cache (``python
+benchmarks/kernel_set.py CACHE_DIR``), they cost the GPU machine no compile time."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from sparsecc import gpu
+from sparsecc.codegen import Family, KernelSpec, Scheduler
+
+SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096),
+          (264, 1040), (4096, 1024)]
+
+
+def session_specs(sweep=("float16",)) -> list[KernelSpec]:
+    specs = []
+    for name in sweep:
+        candidates = gpu.candidate_specs(getattr(torch, name))
+        specs += sorted(candidates, key=lambda s: s.scheduler is not Scheduler.STREAMK)   # slowest first
+    for name in ("float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        specs.append(KernelSpec(Family.SM90_COMPRESS24, name))
+        for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
+            for n, k in SHAPES:
+                specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
+    for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
+        specs += [KernelSpec(family, "float16", x_transposed=True), KernelSpec(family, "float16", transpose_out=True)]
+    return list(dict.fromkeys(specs))
+
+
+if __name__ == "__main__":
+    from sparsecc.build import KernelCache, build
+    specs = session_specs()
+    print(len(specs), "kernels", flush=True)
+    build(specs, cache=KernelCache(sys.argv[1]) if len(sys.argv) > 1 else None)

@@ -1,0 +1,56 @@
+"""Which launch (kernel tiling plus scheduler knobs) runs a GEMM fastest on this GPU.
+
+``benchmarks/kernels.py`` measures every candidate launch on a grid of shapes and batch sizes
+and writes the winners; ``sparsecc/tuning.json`` holds the table for the GPU it was measured
+on. A weight of an unmeasured shape uses the winner at the nearest measured shape (log
+distance in N and K) for each batch-size bucket; a dtype without entries borrows the other
+16-bit dtype's (the same tensor-core path).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+from functools import lru_cache
+
+from .codegen import Family, KernelSpec
+
+TABLE = "tuning.json"
+
+
+@lru_cache(maxsize=1)
+def table() -> dict:
+    resource = importlib.resources.files("sparsecc") / TABLE
+    if not resource.is_file():
+        return {"entries": []}
+    return json.loads(resource.read_text())
+
+
+def best_launch(family: Family, dtype: str, m: int, out_features: int, in_features: int):
+    """The measured best launch for the nearest measured shape with this M, or None."""
+    from .gpu import Launch
+    entries = [e for e in table()["entries"] if e["family"] == family.value and e["M"] == m]
+    own = [e for e in entries if e["dtype"] == dtype]
+    entries = own or entries
+    if not entries:
+        return None
+
+    def distance(entry):
+        return math.log(entry["N"] / out_features) ** 2 + math.log(entry["K"] / in_features) ** 2
+
+    best = min(entries, key=distance)
+    spec = dict(best["spec"], dtype=dtype)
+    return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=best["splits"])
+
+
+def winners(rows: list[dict]) -> list[dict]:
+    """Tuning entries from benchmark rows: per (family, dtype, M, N, K), the fastest launch."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        if row.get("impl") != "sparsecc-config" or not row.get("us"):
+            continue
+        key = (row["launch"]["spec"]["family"], row["dtype"], row["M"], row["N"], row["K"])
+        if key not in best or row["us"] < best[key]["us"]:
+            best[key] = {"family": key[0], "dtype": key[1], "M": key[2], "N": key[3], "K": key[4],
+                         "us": row["us"], **row["launch"]}
+    return list(best.values())

@@ -1,0 +1,138 @@
+"""How long sparsecc takes to compute a pruning mask on the CPU, and that it is linear.
+
+For an 11008x4096 fp32 weight (random normal, never zeros; the MLP up-projection of a 7B
+LLaMA) it times :func:`sparsecc.pruning.pattern_mask` for 2:4, 3:32, 4:8, 2:4/vw4,
+2:4/bw32, block32x32@0.25 and unstructured@0.1 (magnitude criterion), then times 2:4 and
+3:32 at 1/4, 1/2, 1 and 2 times that many elements to show the cost is linear. The
+acceptance bar: 2:4 and 3:32 each under 0.5 s on a 2-core CPU.
+
+    python benchmarks/prune_masks.py [--runs 7] [--out benchmarks/results]
+
+Writes ``prune_masks-cpu-<date>.json`` (the shape every sparsecc results file has) and a
+log-log plot of time against elements beside it. Keys of each row, besides ``pattern``,
+``shape``, ``numel``, ``ms`` (median over ``runs``) and ``ns_per_element`` (``ms`` per
+element): ``section`` (``"patterns"`` or ``"linearity"``), ``ms_min`` (the fastest run) and
+``runs``. Top-level extras: ``threads`` (torch's intra-op threads) and ``load_avg`` (the
+1-minute load average when the run started: on a shared machine, a busy neighbour shows).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import sparsecc
+from sparsecc.pruning import pattern_mask
+
+SHAPE = (11008, 4096)
+PATTERNS = ["2:4", "3:32", "4:8", "2:4/vw4", "2:4/bw32", "block32x32@0.25", "unstructured@0.1"]
+LINEARITY_PATTERNS = ["2:4", "3:32"]
+LINEARITY_SCALES = [0.25, 0.5, 1.0, 2.0]
+ACCEPTANCE_MS = {"2:4": 500.0, "3:32": 500.0}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Normal samples pushed away from zero (a zero would be a free choice for the mask)."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    return x.add_(x.sign() * 1e-3)
+
+
+def time_mask(pattern: str, weight: torch.Tensor, runs: int) -> list[float]:
+    """Wall-clock milliseconds of ``runs`` mask computations, after one warm-up."""
+    pattern_mask(pattern, weight)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        pattern_mask(pattern, weight)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def row(section: str, pattern: str, weight: torch.Tensor, times: list[float]) -> dict:
+    ms = statistics.median(times)
+    return {"section": section, "pattern": pattern, "shape": list(weight.shape),
+            "numel": weight.numel(), "ms": round(ms, 2), "ms_min": round(min(times), 2),
+            "ns_per_element": round(ms * 1e6 / weight.numel(), 3), "runs": len(times)}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for pattern in dict.fromkeys(r["pattern"] for r in rows):
+        # a line over the linearity sizes where there are some, else the one size's point
+        mine = [r for r in rows if r["pattern"] == pattern]
+        points = sorted((r["numel"], r["ms"]) for r in mine
+                        if r["section"] == "linearity" or len(mine) == 1)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=pattern)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axhline(500, color="grey", linestyle="--", linewidth=1, label="0.5 s (2:4, 3:32 bar)")
+    ax.set_xlabel("weight elements")
+    ax.set_ylabel("mask time, median (ms)")
+    ax.set_title(f"sparsecc pruning masks on {cpu_name()} ({torch.get_num_threads()} threads)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+
+    load_avg = os.getloadavg()[0]
+    weight = random_weight(*SHAPE)
+    rows = [row("patterns", pattern, weight, time_mask(pattern, weight, args.runs))
+            for pattern in PATTERNS]
+    for pattern in LINEARITY_PATTERNS:
+        for scale in LINEARITY_SCALES:
+            scaled = weight if scale == 1.0 else random_weight(int(SHAPE[0] * scale), SHAPE[1], seed=1)
+            rows.append(row("linearity", pattern, scaled, time_mask(pattern, scaled, args.runs)))
+            del scaled
+
+    date = datetime.date.today().isoformat()
+    result = {"bench": "prune_masks", "device": cpu_name(), "torch": torch.__version__, "cuda": None,
+              "sparsecc": sparsecc.__version__, "date": date, "threads": torch.get_num_threads(),
+              "load_avg": round(load_avg, 2), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"prune_masks-cpu-{date}.json"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, json_path.with_suffix(".png"))
+
+    print(f"{'section':10} {'pattern':18} {'shape':>12} {'ms':>9} {'ms min':>9} {'ns/elem':>8}")
+    for r in rows:
+        print(f"{r['section']:10} {r['pattern']:18} {'x'.join(map(str, r['shape'])):>12} "
+              f"{r['ms']:9.1f} {r['ms_min']:9.1f} {r['ns_per_element']:8.2f}")
+    for pattern, limit in ACCEPTANCE_MS.items():
+        ms = next(r["ms"] for r in rows if r["section"] == "patterns" and r["pattern"] == pattern)
+        print(f"{pattern} at {SHAPE[0]}x{SHAPE[1]}: {ms:.0f} ms ({'under' if ms < limit else 'OVER'} "
+              f"{limit:.0f} ms)")
+    print(f"wrote {json_path} and {json_path.with_suffix('.png').name} (load average {load_avg:.2f})")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""sparsecc.prune: make the selected layers of a model sparse, in place, and say what it did.
+
+This is the lossy step sparsecc keeps apart from ``compile`` (which never changes what a
+model computes): it zeroes weights so that each selected layer fits a pattern, and the
+compiler then finds formats that represent those weights exactly.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import InputError, PatternError
+from .finetune import register_mask
+from .masks import check_scope, pattern_masks
+from .patterns import Pattern, parse_pattern
+from .report import LayerReport, PruneReport
+from .selection import is_conv1d, select_layers, weight_matrix
+
+Criterion = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def prune(model: nn.Module, pattern: "str | Pattern", *,
+          include: "str | Iterable[str] | None" = None,
+          exclude: "str | Iterable[str] | None" = None,
+          types: tuple[type, ...] = (nn.Linear,), keep_first: int = 0, keep_last: int = 0,
+          scope: str = "layer", criterion: "str | Criterion" = "magnitude",
+          keep_masks: bool = False) -> PruneReport:
+    """Prune the selected layers of ``model`` to ``pattern``, in place; return a report.
+
+    Args:
+        pattern: a pattern string (``"2:4"``, ``"3:32"``, ``"2:4/vw4"``, ``"2:4/bw32"``,
+            ``"block32x32@0.25"``, ``"unstructured@0.1"``) or a pattern object; see
+            :mod:`sparsecc.pruning.patterns`. Groups run along each layer's input dimension
+            (dim 1 of an ``nn.Linear`` weight, dim 0 of a Hugging Face ``Conv1D`` weight).
+        include, exclude: module-name globs (fnmatch; a string or a list) choosing layers.
+        types: module types to prune; ``Conv1D`` counts as ``nn.Linear``.
+        keep_first, keep_last: leave the first / last k selected layers (in
+            ``model.named_modules()`` order) dense.
+        scope: ``"layer"`` prunes each layer on its own; ``"global"`` ranks the units of all
+            selected layers together (one threshold), for ``unstructured`` and ``block``.
+        criterion: ``"magnitude"`` (|w|, the default) or a callable
+            ``(name, weight) -> scores`` of the weight's stored shape, higher = keep.
+        keep_masks: store each mask as a bool buffer ``weight_mask`` for fine-tuning (see
+            :func:`sparsecc.pruning.attach_to_optimizer`).
+
+    A layer whose shape the pattern cannot take (a block that does not divide it) is left
+    dense; the report gives the reason and a warning names it. If no selected layer can
+    take the pattern, PatternError is raised. An empty selection or a layer whose weight is
+    not 2-D raises InputError.
+    """
+    pattern = parse_pattern(pattern)
+    check_scope(pattern, scope)
+    score_of = _scorer(criterion)
+    layers = select_layers(model, include=include, exclude=exclude, types=types,
+                           keep_first=keep_first, keep_last=keep_last)
+    report = PruneReport(pattern=str(pattern), scope=scope)
+    prunable = []
+    for name, module in layers:
+        matrix = _checked_matrix(name, module)
+        try:
+            pattern.check_shape(tuple(matrix.shape))
+            prunable.append((name, module, matrix))
+        except PatternError as error:
+            report.layers.append(_layer_report(name, pattern, matrix, matrix, skipped=str(error)))
+    if not prunable:
+        raise PatternError(f"{pattern} fits none of the {len(layers)} selected layers: "
+                           + "; ".join(f"{layer.name}: {layer.skipped}" for layer in report.layers))
+    if report.skipped:
+        warnings.warn(f"prune left {len(report.skipped)} layer(s) dense because {pattern} does not "
+                      f"fit their shape: {', '.join(layer.name for layer in report.skipped)} "
+                      "(see the report)", stacklevel=2)
+
+    with torch.no_grad():
+        for (name, module, matrix), mask in zip(prunable, _masks(pattern, prunable, score_of, scope)):
+            before = matrix.clone() if matrix.numel() else matrix
+            matrix.masked_fill_(~mask, 0)
+            report.layers.append(_layer_report(name, pattern, before, matrix))
+            if keep_masks:
+                register_mask(module, mask.t() if is_conv1d(module) else mask)
+    order = {name: index for index, (name, _) in enumerate(layers)}
+    report.layers.sort(key=lambda layer: order[layer.name])
+    return report
+
+
+def _masks(pattern: Pattern, prunable, score_of, scope: str) -> Iterator[torch.Tensor]:
+    """The masks in layer order; one layer at a time (to bound memory) unless global."""
+    magnitude = score_of is None
+
+    def scores(name, module, matrix):
+        return matrix if score_of is None else score_of(name, module)
+
+    if scope == "global":
+        yield from pattern_masks(pattern, [scores(*layer) for layer in prunable],
+                                 magnitude=magnitude, scope="global")
+    else:
+        for layer in prunable:
+            yield pattern_masks(pattern, [scores(*layer)], magnitude=magnitude)[0]
+
+
+def _scorer(criterion) -> "Callable[[str, nn.Module], torch.Tensor] | None":
+    """None for magnitude (scored chunk by chunk inside the mask functions), else a function
+    returning the criterion's scores in the canonical [out, in] orientation."""
+    if criterion == "magnitude":
+        return None
+    if not callable(criterion):
+        raise InputError(f"criterion must be 'magnitude' or a callable (name, weight) -> scores, "
+                         f"got {criterion!r}")
+
+    def score_of(name: str, module: nn.Module) -> torch.Tensor:
+        scores = criterion(name, module.weight.detach())
+        if not isinstance(scores, torch.Tensor) or scores.shape != module.weight.shape:
+            raise InputError(f"criterion returned {type(scores).__name__}"
+                             f"{tuple(getattr(scores, 'shape', ()))} for layer {name!r}; it must "
+                             f"return scores of the weight's shape {tuple(module.weight.shape)}")
+        return scores.t() if is_conv1d(module) else scores
+
+    return score_of
+
+
+def _checked_matrix(name: str, module: nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise InputError(f"layer {name!r} ({type(module).__name__}) has no 2-D weight (got "
+                         f"{tuple(getattr(weight, 'shape', ())) if weight is not None else None}); "
+                         "prune handles [out, in] weights (nn.Linear, Hugging Face Conv1D): leave "
+                         "it out with types= or exclude=")
+    return weight_matrix(module)
+
+
+@torch.no_grad()
+def _layer_report(name: str, pattern: Pattern, before: torch.Tensor, after: torch.Tensor, *,
+                  skipped: str | None = None) -> LayerReport:
+    numel = before.numel()
+    l1_before = float(torch.linalg.vector_norm(before, 1, dtype=torch.float64)) if numel else 0.0
+    l1_after = float(torch.linalg.vector_norm(after, 1, dtype=torch.float64)) if numel else 0.0
+    return LayerReport(
+        name=name, pattern=str(pattern), shape=tuple(after.shape), numel=numel,
+        density_before=int(torch.count_nonzero(before)) / numel if numel else 0.0,
+        density=int(torch.count_nonzero(after)) / numel if numel else 0.0,
+        magnitude_kept=l1_after / l1_before if l1_before else 1.0, skipped=skipped)

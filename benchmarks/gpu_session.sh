@@ -12,8 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 export PYTHONPATH=/tmp/site
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
-  2>&1 | tee "$OUT/env.txt"
-python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
+  2>&1 | tee -a "$OUT/session.log"
+python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
 import sys, time
 sys.path.insert(0, "benchmarks")
 from kernel_set import session_specs
@@ -24,7 +24,7 @@ build.build(specs, progress=False)
 print(f"kernels: {len(specs)}, built {build.LAST_BUILD.built}, from cache {build.LAST_BUILD.cached}, {time.time()-start:.1f} s")
 PY
 # a fresh process loading every kernel from the warm cache (lookup, hash check, dlopen)
-python3 - <<'PY' 2>&1 | tee -a "$OUT/build.txt"
+python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
 import sys, time
 sys.path.insert(0, "benchmarks")
 start = time.time()
@@ -36,7 +36,7 @@ kernels = runtime.ensure(session_specs(), progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
 # one kernel compiled from scratch into an empty cache, timed (in the background, while the tests run)
-python3 - > "$OUT/probe.txt" 2>&1 <<'PY' &
+python3 - > /tmp/probe.txt 2>&1 <<'PY' &
 import time
 from sparsecc import build
 from sparsecc.codegen import Family, KernelSpec
@@ -46,7 +46,8 @@ for spec in (KernelSpec(Family.SM90_SPARSE24, "float16", tile=(256, 64, 128)), K
 PY
 PROBE=$!
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_gpu_kernels.py -q -x -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -25
-wait $PROBE; cat "$OUT/probe.txt"
-cp benchmarks/results/kernels-*.json benchmarks/results/kernels-*.png "$OUT/" 2>/dev/null
+python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -6
+timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/session.log" | tail -25
+wait $PROBE; cat /tmp/probe.txt | tee -a "$OUT/session.log"
+cp benchmarks/results/kernels-*.json benchmarks/results/kernels-*.png benchmarks/results/host_overhead-*.json "$OUT/" 2>/dev/null
 ls "$OUT"

@@ -1,6 +1,7 @@
 """Host time per call on a tiny problem (M=1, N=K=256, fp16), where the GPU work is
 negligible, so the time is what the host spends to launch: cuBLAS ``F.linear``, sparsecc's
-2:4 op (``sparsecc::linear_kernel``), the raw kernel call underneath it (ctypes, output
+2:4 op (``sparsecc::linear_kernel``, through its Python object and through the
+``torch.ops`` overload a compiled graph calls), the raw kernel call underneath it (ctypes, output
 preallocated), and the op replayed from a captured CUDA graph. Extra key: ``us_host``.
 
     python benchmarks/host_overhead.py
@@ -47,6 +48,11 @@ def main() -> dict:
     def op():
         return gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias, "relu", False, False, packed.kernels)
 
+    overload = torch.ops.sparsecc.linear_kernel.default      # what a compiled graph calls
+
+    def graph_op():
+        return overload(x, packed.values, packed.metadata, n, k, bias, "relu", False, False, packed.kernels)
+
     def raw():
         kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(),
                     n, 1, k, relu, stream, swizzle=swizzle, splits=splits)
@@ -56,8 +62,8 @@ def main() -> dict:
     with torch.cuda.graph(graph):
         for _ in range(10):
             op()
-    impls = {"cublas": lambda: torch.relu(F.linear(x, w, bias)), "sparsecc": op, "sparsecc-raw-kernel": raw,
-             "sparsecc-graph-replay": None}
+    impls = {"cublas": lambda: torch.relu(F.linear(x, w, bias)), "sparsecc": op, "sparsecc-op-overload": graph_op,
+             "sparsecc-raw-kernel": raw, "sparsecc-graph-replay": None}
     for impl, fn in impls.items():
         us = per_call_us(graph.replay, calls=300) / 10 if fn is None else per_call_us(fn)
         result["rows"].append({"impl": impl, "format": "dense" if impl == "cublas" else "2:4", "M": 1, "N": n, "K": k,

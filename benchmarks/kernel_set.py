@@ -15,7 +15,7 @@ SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), 
           (264, 1040), (4096, 1024)]
 
 
-def session_specs(sweep=("float16",)) -> list[KernelSpec]:
+def session_specs(sweep=("float16", "bfloat16")) -> list[KernelSpec]:
     specs = []
     for name in sweep:
         candidates = gpu.candidate_specs(getattr(torch, name))

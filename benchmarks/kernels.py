@@ -5,7 +5,8 @@
 - ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
 - ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
 - ``sparsecc-config`` rows: every launch (tiling and scheduler knobs) sparsecc can dispatch
-  to; their winners are the tuning table (``--tuning-out``, copied to sparsecc/tuning.json).
+  to, measured first (``--sweep``); their winners update the tuning table (``--tuning-out``,
+  copied to sparsecc/tuning.json) and the rows above are then measured with it.
 
 Each is timed as a CUDA-graph replay (``us``, kernel time: speedups are quoted on these) and
 eagerly (``us_eager``, what a caller without graphs sees), and checked against an fp32
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
 
-from sparsecc import gpu, runtime  # noqa: E402
+from sparsecc import gpu, runtime, tuning  # noqa: E402
 from sparsecc.codegen import Family  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
@@ -49,25 +50,36 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", nargs="*", default=["float16", "bfloat16"],
                         help="dtypes whose candidate launches are all measured (none: skip)")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
+    parser.add_argument("--sweep-ms", nargs="*", type=int, default=MS, help="batch sizes the sweep measures")
     parser.add_argument("--tuning-out", help="write the winning launches here (a tuning table)")
     args = parser.parse_args(argv)
     shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (SHAPES, MS)
     result = environment("kernels")
-    result["dispatch"] = "sparsecc/tuning.json" if __import__("sparsecc.tuning").tuning.table()["entries"] else "defaults"
+    result["dispatch"] = "tuning table (packaged, updated by this run's sweep)" if tuning.table()["entries"] else "defaults"
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        launches = (gpu.candidates(Family.SM90_SPARSE24, dtype) + gpu.candidates(Family.SM90_DENSE, dtype)
-                    if name in args.sweep else [])
+        weights = {}
+        for n, k in shapes:
+            w = two_four(n, k, dtype, gen)
+            weights[(n, k)] = (w, torch.randn(n, generator=gen).to(dtype).cuda(), gpu.CutlassSparse24Weight.from_dense(w))
+        if name in args.sweep:              # 1: every candidate launch; the winners become the dispatch tables
+            launches = gpu.candidates(Family.SM90_SPARSE24, dtype) + gpu.candidates(Family.SM90_DENSE, dtype)
+            runtime.ensure([launch.spec for launch in launches])
+            for (n, k), (w, bias, packed) in weights.items():
+                for m in [m for m in ms if m in args.sweep_ms]:
+                    x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+                    ref = torch.relu(x.float() @ w.float().t() + bias.float())
+                    base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
+                    for launch in launches:
+                        result["rows"].append(measure_launch(launch, x, w, bias, packed, ref, base))
+            tuning.use(merged_table(result["rows"]))
         tables = {(family, n, k): gpu.dispatch(family, dtype, n, k)
                   for family in (Family.SM90_SPARSE24, Family.SM90_DENSE) for n, k in shapes}
-        runtime.ensure([launch.spec for table in tables.values() for _, launch in table] + [l.spec for l in launches])
-        for n, k in shapes:
+        runtime.ensure([launch.spec for table in tables.values() for _, launch in table])
+        for (n, k), (w, bias, packed) in weights.items():   # 2: what a user runs, with those tables
             sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
             dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
-            w = two_four(n, k, dtype, gen)
-            bias = torch.randn(n, generator=gen).to(dtype).cuda()
-            packed = gpu.CutlassSparse24Weight.from_dense(w)
             try:
                 from torch.sparse import to_sparse_semi_structured
                 w_semi = to_sparse_semi_structured(w)
@@ -100,35 +112,45 @@ def main(argv=None) -> dict:
                     point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
                                   "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
                 result["rows"] += point
-                for launch in launches:
-                    sparse = launch.spec.family is Family.SM90_SPARSE24
-                    a, e = (packed.values, packed.metadata) if sparse else (w, None)
-                    table = gpu.dispatch_string([(0, launch)])
-                    fn = lambda: gpu.linear_kernel(x, a, e, n, k, bias, "relu", False, False, table)  # noqa: E731
-                    row = {"impl": "sparsecc-config", "format": "2:4" if sparse else "dense",
-                           "density": 0.5 if sparse else 1.0, "config": launch.label,
-                           "launch": {"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
-                                      "splits": launch.splits}, **base}
-                    try:
-                        row["rel_err"] = rel_err(fn(), ref)
-                        row["us"] = time_graph_us(fn)
-                        row["us_eager"] = None
-                    except Exception as error:  # noqa: BLE001
-                        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
-                    result["rows"].append(row)
                 print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} " + " ".join(
                     f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)
     path = write(result)
     if args.tuning_out:
-        from sparsecc.tuning import winners
-        tuning = {"device": result["device"], "torch": result["torch"], "cuda": result["cuda"],
-                  "date": result["date"], "source": path.name, "entries": winners(result["rows"])}
-        Path(args.tuning_out).write_text(json.dumps(tuning, indent=1))
+        table = dict(tuning.table(), device=result["device"], torch=result["torch"], cuda=result["cuda"],
+                     date=result["date"], source=path.name)
+        Path(args.tuning_out).write_text(json.dumps(table, indent=1))
         print("wrote", args.tuning_out)
     plot(result, path.with_suffix(".png"))
     print_summary(result)
     print("wrote", path)
     return result
+
+
+def measure_launch(launch, x, w, bias, packed, ref, base) -> dict:
+    """One candidate launch at one point (graph replay time only)."""
+    n, k = w.shape
+    sparse = launch.spec.family is Family.SM90_SPARSE24
+    a, e = (packed.values, packed.metadata) if sparse else (w, None)
+    table = gpu.dispatch_string([(0, launch)])
+    fn = lambda: gpu.linear_kernel(x, a, e, n, k, bias, "relu", False, False, table)  # noqa: E731
+    row = {"impl": "sparsecc-config", "format": "2:4" if sparse else "dense", "density": 0.5 if sparse else 1.0,
+           "config": launch.label, "launch": {"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
+                                              "splits": launch.splits}, **base}
+    try:
+        row["rel_err"] = rel_err(fn(), ref)
+        row["us"] = time_graph_us(fn)
+        row["us_eager"] = None
+    except Exception as error:  # noqa: BLE001
+        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+    return row
+
+
+def merged_table(rows) -> dict:
+    """The current tuning table with this run's winners replacing the entries they measured."""
+    fresh = tuning.winners(rows)
+    measured = {(e["family"], e["dtype"], e["M"], e["N"], e["K"]) for e in fresh}
+    kept = [e for e in tuning.table()["entries"] if (e["family"], e["dtype"], e["M"], e["N"], e["K"]) not in measured]
+    return {"entries": kept + fresh}
 
 
 def speedups(result: dict, impl: str, dtype: str, min_m: int = 0, key: str = "us") -> dict:

@@ -50,17 +50,23 @@ _CANDIDATES = {
         (dict(tile=(128, 64, 128)), {}), (dict(tile=(128, 128, 128)), {}),
         (dict(tile=(128, 128, 128), cluster=(2, 1)), {}), (dict(tile=(256, 128, 128)), {}),
         (dict(tile=(256, 128, 128)), dict(swizzle=8)), (dict(tile=(256, 128, 128), cluster=(2, 1)), {}),
-        (dict(tile=(256, 128, 128), cluster=(1, 2)), {}), (dict(tile=(128, 256, 128)), {}),
+        (dict(tile=(256, 128, 128), cluster=(2, 1)), dict(swizzle=4)),
+        (dict(tile=(256, 128, 128), cluster=(2, 1)), dict(swizzle=8)),
+        (dict(tile=(256, 128, 128), cluster=(1, 2)), {}), (dict(tile=(256, 128, 128), cluster=(1, 2)), dict(swizzle=4)),
+        (dict(tile=(256, 128, 128), cluster=(1, 2)), dict(swizzle=8)), (dict(tile=(128, 256, 128)), {}),
         (dict(tile=(64, 128, 128), schedule=Schedule.PINGPONG), {}),
         (dict(tile=(128, 128, 128), schedule=Schedule.PINGPONG), {}),
         (dict(tile=(128, 64, 128), scheduler=Scheduler.STREAMK), {}),
+        (dict(tile=(128, 64, 128), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 128), scheduler=Scheduler.STREAMK), {}),
     ],
     Family.SM90_DENSE: [
         (dict(tile=(128, 64, 64)), {}), (dict(tile=(128, 128, 64)), {}), (dict(tile=(128, 256, 64)), {}),
         (dict(tile=(128, 256, 64)), dict(swizzle=8)), (dict(tile=(256, 128, 64), cluster=(2, 1)), {}),
         (dict(tile=(128, 128, 64), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(128, 128, 64), schedule=Schedule.PINGPONG), dict(swizzle=4)),
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), {}),
+        (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
     ],
 }
@@ -219,7 +225,9 @@ def linear_kernel(x: Tensor, weight: Tensor, metadata: Optional[Tensor], out_fea
 def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
     if x.dtype != weight.dtype:
         raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's {weight.dtype}")
-    code = ACTIVATION_CODES[Activation.parse(activation).value]
+    code = ACTIVATION_CODES.get(activation)
+    if code is None:
+        Activation.parse(activation)            # raises the clear error
     one_dim = x.dim() == 1
     xt = x.transpose(-1, -2) if x_transposed and not one_dim else x
     if xt.shape[-1] != in_features:
@@ -231,14 +239,14 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     m = rows.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m > 0:
-        if bias is not None:
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
         kernel, swizzle, splits = kernel_for(kernels, m)
         workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=x.device) if workspace_bytes else None
         kernel.gemm(weight.data_ptr(), metadata.data_ptr() if metadata is not None else 0, rows.data_ptr(),
                     bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
-                    code, torch.cuda.current_stream(x.device).cuda_stream, swizzle=swizzle, splits=splits,
+                    code, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
                     workspace=workspace.data_ptr() if workspace is not None else 0)
     y = y.reshape(*lead, out_features)
     if transpose_out and not one_dim:

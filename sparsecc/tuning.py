@@ -18,12 +18,26 @@ from .codegen import Family, KernelSpec
 TABLE = "tuning.json"
 
 
+_override: dict | None = None
+
+
 @lru_cache(maxsize=1)
-def table() -> dict:
+def _packaged() -> dict:
     resource = importlib.resources.files("sparsecc") / TABLE
     if not resource.is_file():
         return {"entries": []}
     return json.loads(resource.read_text())
+
+
+def table() -> dict:
+    """The tuning table in use: one set with :func:`use`, else the packaged one."""
+    return _override if _override is not None else _packaged()
+
+
+def use(new_table: dict | None) -> None:
+    """Use ``new_table`` (e.g. one just measured) for this process; None restores the packaged one."""
+    global _override
+    _override = new_table
 
 
 def best_launch(family: Family, dtype: str, m: int, out_features: int, in_features: int):

@@ -1,0 +1,70 @@
+"""End to end on the GPU, in one process: eager dense, ``torch.compile`` dense (Inductor),
+and sparsecc (``torch.compile(backend="sparsecc")``: sparse sites on sparsecc's kernels,
+the rest of the graph on Inductor), on Hugging Face architectures built from configs:
+
+- ``bert-large``: batch 8, sequence 512, every encoder linear pruned to 2:4;
+- ``llama-1b-prefill``: Llama-3.2-1B shapes, one sequence of 2048 tokens, 2:4;
+- ``llama-1b-decode``: the same model, one token (batch 1, no KV cache: the linear layers see
+  M=1 exactly as in decoding; attention over a cache is left out), 2:4;
+- ``vit-b16``: batch 256, 90% block sparsity with 64x64 blocks.
+
+fp16, median of CUDA-event timings of eager calls (``us_eager``; ``us`` is left null, no
+graph capture). Rows carry ``model`` and ``impl`` (eager, inductor, sparsecc) and
+``rel_err`` against the eager output.
+
+    python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import environment, rel_err, time_eager_us, write  # noqa: E402
+
+import sparsecc  # noqa: E402
+from sparsecc.models import load  # noqa: E402
+
+CASES = {
+    "bert-large": ("bert-large", 8, 512, "2:4"),
+    "llama-1b-prefill": ("llama-1b", 1, 2048, "2:4"),
+    "llama-1b-decode": ("llama-1b", 1, 1, "2:4"),
+    "vit-b16": ("vit-b16", 256, 0, "block64x64@0.1"),
+}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(CASES))
+    args = parser.parse_args(argv)
+    result = environment("e2e")
+    for case in args.models:
+        name, batch, seq, pattern = CASES[case]
+        torch.manual_seed(0)
+        model, inputs = load(name, batch=batch, seq=max(seq, 1))
+        model = model.half().cuda().eval()
+        inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
+        report = sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
+        with torch.no_grad():
+            reference = model(inputs)[0]
+            impls = {"eager": lambda: model, "inductor": lambda: torch.compile(model),
+                     "sparsecc": lambda: torch.compile(model, backend="sparsecc")}
+            for impl, make in impls.items():
+                torch._dynamo.reset()                   # each compiled variant starts from scratch
+                fn = make()
+                out = fn(inputs)[0]
+                row = {"model": case, "impl": impl, "format": "dense" if impl != "sparsecc" else pattern,
+                       "M": batch * max(seq, 1), "N": None, "K": None, "dtype": "float16", "epilogue": None,
+                       "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
+                       "us": None, "us_eager": time_eager_us(lambda: fn(inputs), warmup_ms=50, rep_ms=300),
+                       "rel_err": rel_err(out, reference)}
+                result["rows"].append(row)
+                print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
+    print("wrote", write(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

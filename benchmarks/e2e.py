@@ -40,6 +40,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", nargs="*", default=list(CASES))
     args = parser.parse_args(argv)
     result = environment("e2e")
+    path = None
     for case in args.models:
         name, batch, seq, pattern = CASES[case]
         torch.manual_seed(0)
@@ -62,7 +63,14 @@ def main(argv=None) -> dict:
                        "rel_err": rel_err(out, reference)}
                 result["rows"].append(row)
                 print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
-    print("wrote", write(result))
+            path = write(result)                     # after every model: a time limit loses nothing done
+        del model, impls
+        torch.cuda.empty_cache()
+    print("wrote", path)
+    for case in dict.fromkeys(r["model"] for r in result["rows"]):
+        times = {r["impl"]: r["us_eager"] for r in result["rows"] if r["model"] == case}
+        if "inductor" in times and "sparsecc" in times:
+            print(f"{case:18s} sparsecc speedup over Inductor dense: {times['inductor'] / times['sparsecc']:.2f}x")
     return result
 
 

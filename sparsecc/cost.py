@@ -194,8 +194,9 @@ class CostModel:
             return Decision(DENSE, f"formats=({names}): the weight fits none of them exactly; stays dense",
                             predictions, buckets)
         spec, best = min(pool, key=lambda sp: sp[1].us)
-        if spec.kind == "nm" and self.device.type == "cuda" and not self.uses_kernel(stats, spec):
-            at += f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}"
+        if spec.kind == "nm" and self.device.type == "cuda":
+            at += ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if self.uses_kernel(stats, spec) else
+                   f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}")
         if forced:
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; "
                                   f"{spec} fits exactly (predicted {best.us:.1f} us {at})", predictions, buckets)

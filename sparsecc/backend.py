@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from . import runtime
 from .compiler import analyze_sites, pack_sites, plan_sites
 from .cost import CostModel
 from .formats import FormatSpec
@@ -106,9 +107,12 @@ def _propagate(gm: fx.GraphModule, inputs: list) -> None:
 COMPILED: list[SparseGraph] = []
 
 
-def make_backend(*, formats=None, inductor: bool = True, cost_model: CostModel | None = None):
-    """A Dynamo backend with options: ``formats`` restricts the candidates as in
-    ``sparsecc.compile``; ``inductor=False`` runs the rewritten graph without Inductor."""
+def make_backend(*, formats=None, inductor: bool = True, cost_model: CostModel | None = None, kernels=None):
+    """A Dynamo backend with options: ``formats`` restricts the candidates and ``kernels``
+    names a generated kernel directory, as in ``sparsecc.compile``; ``inductor=False`` runs
+    the rewritten graph without Inductor."""
+    if kernels is not None:
+        runtime.use_kernels(kernels)
     allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
 
     def backend(gm: fx.GraphModule, example_inputs):

@@ -111,6 +111,7 @@ class KernelCache:
 
     @staticmethod
     def _trusted(root: Path) -> Path:
+        reason = "it is not writable"
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
             info = root.stat()
@@ -172,7 +173,8 @@ class BuildStats:
     seconds: float = 0.0
 
 
-LAST_BUILD = BuildStats()
+LAST_BUILD = BuildStats()     # the latest call of build()
+TOTAL_BUILD = BuildStats()    # every call of build() in this process
 
 
 def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
@@ -199,6 +201,8 @@ def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
         stats.built = len(todo)
     stats.seconds = time.perf_counter() - start
     LAST_BUILD.__dict__.update(stats.__dict__)
+    for name, value in stats.__dict__.items():
+        setattr(TOTAL_BUILD, name, getattr(TOTAL_BUILD, name) + value)
     return found
 
 
@@ -209,29 +213,36 @@ def _build_one(spec: KernelSpec, source: str, key: str, tools: Toolchain, cache:
             return published
         staging = Path(tempfile.mkdtemp(prefix=key[:16] + "-", dir=cache.root / "staging"))
         try:
-            source_path = staging / "kernel.cu"
-            source_path.write_text(source)
-            binary = staging / "kernel.so"
-            command = nvcc_command(spec, tools, source_path, binary)
-            start = time.perf_counter()
-            result = subprocess.run(command, capture_output=True, text=True)
-            seconds = time.perf_counter() - start
-            if result.returncode != 0 or not binary.is_file():
-                kept = cache.root / "failed" / f"{spec.symbol}.cu"
-                shutil.copyfile(source_path, kept)
-                raise KernelBuildError(f"nvcc failed to compile {spec.symbol} (exit {result.returncode})",
-                                       command=command, stderr=result.stderr + result.stdout, source_path=str(kept))
-            manifest = {"key": key, "symbol": spec.symbol, "spec": json.loads(spec.describe()),
-                        "sha256": _sha256(binary), "command": command, "nvcc": tools.nvcc_version,
-                        "cutlass": tools.cutlass_version, "compile_seconds": round(seconds, 2)}
-            (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-            final = cache.path(key)
+            _compile_into(staging, spec, source, key, tools, cache)
             try:
-                os.rename(staging, final)
+                os.rename(staging, cache.path(key))
             except OSError:
                 if cache.lookup(key) is None:
                     raise
-            log.info("compiled %s in %.1f s", spec.symbol, seconds)
-            return final / "kernel.so"
+            return cache.path(key) / "kernel.so"
+        except OSError as error:      # disk full, quota, permissions: the cache keeps its old state
+            raise KernelBuildError(f"could not write {spec.symbol} into the kernel cache {cache.root}: {error}") from error
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _compile_into(staging: Path, spec: KernelSpec, source: str, key: str, tools: Toolchain,
+                  cache: KernelCache) -> None:
+    """Compile ``source`` into ``staging`` with the manifest that makes it a cache entry."""
+    source_path = staging / "kernel.cu"
+    source_path.write_text(source)
+    binary = staging / "kernel.so"
+    command = nvcc_command(spec, tools, source_path, binary)
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0 or not binary.is_file():
+        kept = cache.root / "failed" / f"{spec.symbol}.cu"
+        shutil.copyfile(source_path, kept)
+        raise KernelBuildError(f"nvcc failed to compile {spec.symbol} (exit {result.returncode})",
+                               command=command, stderr=result.stderr + result.stdout, source_path=str(kept))
+    manifest = {"key": key, "symbol": spec.symbol, "spec": json.loads(spec.describe()),
+                "sha256": _sha256(binary), "command": command, "nvcc": tools.nvcc_version,
+                "cutlass": tools.cutlass_version, "compile_seconds": round(seconds, 2)}
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    log.info("compiled %s in %.1f s", spec.symbol, seconds)

@@ -1,7 +1,9 @@
 """The ``sparsecc`` command line.
 
     sparsecc plan MODEL [--prune 2:4] [--formats 2:4 csr] [--json]
-    sparsecc compile MODEL --out model.pt [--prune ...]
+    sparsecc compile MODEL --out model.pt [--prune ...] [--kernels DIR]
+    sparsecc generate (MODEL | plan.json) --arch sm_90a [--arch sm_80] --out DIR
+    sparsecc bench MODEL [--prune ...] [--json]
     sparsecc cache ls|verify|clear
 
 MODEL is a built-in name (see ``sparsecc plan --help``) or ``file.py:function`` returning
@@ -23,7 +25,8 @@ from .errors import SparseccError
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     from .models import BUILTIN
-    parser.add_argument("model", help=f"one of {', '.join(BUILTIN)}, or file.py:function returning (model, inputs)")
+    parser.add_argument("model", help=f"one of {', '.join(BUILTIN)}, or file.py:function returning (model, inputs)"
+                                      " (generate also takes a plan.json)")
     parser.add_argument("--batch", type=int, default=8, help="batch size of the example inputs (default 8)")
     parser.add_argument("--seq", type=int, default=128, help="sequence length of the example inputs (default 128)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
@@ -33,11 +36,12 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", nargs="+", metavar="FORMAT", help="restrict the formats, e.g. 2:4 csr bsr")
 
 
-def _prepared(args):
+def _prepared(args, default_dtype=None):
     from .models import load
     from .pruning import prune
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    default_dtype = default_dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     model, inputs = load(args.model, batch=args.batch, seq=args.seq)
     model = model.to(device=device, dtype=dtype)
     if isinstance(inputs, torch.Tensor):
@@ -58,11 +62,64 @@ def _plan(args) -> int:
 def _compile(args) -> int:
     from .compiler import compile as compile_model
     model, inputs = _prepared(args)
-    compiled = compile_model(model, inputs, formats=args.formats)
+    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels)
     torch.save(compiled, args.out)
     plan = compiled.sparsecc_plan
     print(plan.to_json() if args.json else plan.table())
     print(f"saved to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _generate(args) -> int:
+    """Kernels for a plan file, or for a model's 2:4 sites (planned here, on any machine)."""
+    from . import kernel_dir
+    from .compiler import plan as plan_model
+    from .gpu import plan_kernels
+    from .plan import Plan
+    if args.model.endswith(".json"):
+        the_plan = Plan.from_json(args.model)
+    else:
+        args.device = args.device or "cpu"
+        model, inputs = _prepared(args, default_dtype=torch.float16)
+        the_plan = plan_model(model, inputs, formats=args.formats or ("2:4",))
+    specs = plan_kernels(the_plan, archs=tuple(args.arch))
+    if not specs:
+        print("sparsecc: no site of this plan runs on a generated kernel (no 2:4 site of a supported "
+              "shape and dtype): nothing to generate", file=sys.stderr)
+        return 1
+    out = kernel_dir.write(specs, args.out, progress=not args.json)
+    if args.json:
+        print((out / kernel_dir.MANIFEST).read_text())
+    else:
+        print(f"wrote {len(specs)} kernels for {', '.join(args.arch)} to {out}")
+        for spec in specs:
+            print(f"  {spec.symbol}")
+    return 0
+
+
+def _bench(args) -> int:
+    """Time the eager model and the compiled one on the example inputs."""
+    from torch.utils.benchmark import Timer
+    from .compiler import compile as compile_model
+    model, inputs = _prepared(args)
+    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels)
+    call = (lambda m: m(**inputs)) if isinstance(inputs, dict) else (lambda m: m(*inputs) if isinstance(inputs, tuple) else m(inputs))
+    rows = []
+    with torch.no_grad():
+        for name, module in (("eager", model), ("sparsecc", compiled)):
+            timer = Timer("call(module)", globals={"call": call, "module": module})
+            rows.append({"impl": name, "ms": timer.blocked_autorange(min_run_time=args.seconds).median * 1e3})
+    plan = compiled.sparsecc_plan
+    summary = {"model": args.model, "device": str(next(model.parameters()).device), "batch": args.batch,
+               "seq": args.seq, "rows": rows, "speedup": rows[0]["ms"] / rows[1]["ms"],
+               "weight_bytes_before": plan.bytes_before, "weight_bytes_after": plan.bytes_after}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for row in rows:
+            print(f"{row['impl']:>9}: {row['ms']:9.3f} ms")
+        print(f"  speedup: {summary['speedup']:.2f}x   weights: {plan.bytes_before / 2**20:.1f} MiB -> "
+              f"{plan.bytes_after / 2**20:.1f} MiB")
     return 0
 
 
@@ -107,7 +164,25 @@ def parser() -> argparse.ArgumentParser:
     _model_arguments(comp)
     comp.add_argument("--out", required=True, help="where to save the compiled module")
     comp.add_argument("--json", action="store_true", help="print the plan as JSON")
+    comp.add_argument("--kernels", metavar="DIR", help="load kernels from a `sparsecc generate` directory")
     comp.set_defaults(run=_compile)
+    gen = commands.add_parser("generate", help="build a plan's kernels ahead of time into a directory",
+                              description="Render, compile and collect the kernels a model (or a saved plan) "
+                                          "needs, with build.ninja and a manifest of hashes; load them later "
+                                          "with `sparsecc.compile(..., kernels=DIR)` or SPARSECC_KERNELS=DIR, "
+                                          "with no compiler on that machine.")
+    _model_arguments(gen)
+    gen.add_argument("--arch", action="append", choices=("sm_90a", "sm_80"), required=True,
+                     help="target architecture (repeat for several)")
+    gen.add_argument("--out", required=True, help="the directory to write")
+    gen.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    gen.set_defaults(run=_generate)
+    bench = commands.add_parser("bench", help="time a model eagerly and compiled by sparsecc")
+    _model_arguments(bench)
+    bench.add_argument("--kernels", metavar="DIR", help="load kernels from a `sparsecc generate` directory")
+    bench.add_argument("--seconds", type=float, default=1.0, help="measuring time per implementation")
+    bench.add_argument("--json", action="store_true", help="print the timings as JSON")
+    bench.set_defaults(run=_bench)
     cache = commands.add_parser("cache", help="list, verify or clear the compiled-kernel cache")
     cache.add_argument("action", choices=("ls", "verify", "clear"))
     cache.add_argument("--json", action="store_true")

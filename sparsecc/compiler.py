@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import tracing
+from . import runtime, tracing
 from .analysis import WeightStats, analyze
 from .cost import DEFAULT_M, CostModel, time_site
 from .config import settings
@@ -50,7 +50,8 @@ def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
 
 
 def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str | None = None,
-            device=None, cost_model: CostModel | None = None, verify: bool = True) -> nn.Module:
+            device=None, cost_model: CostModel | None = None, verify: bool = True,
+            kernels=None) -> nn.Module:
     """Return a module that computes what ``model`` computes, with its sparse linear layers
     running in the formats the plan chose.
 
@@ -66,10 +67,14 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         cost_model: a custom cost model.
         verify: run the compiled model on the example inputs and raise if it does not match
             the eager model within :data:`VERIFY_TOLERANCE` (skipped in training mode).
+        kernels: a directory made by ``sparsecc generate``: its kernels are loaded (checked
+            against their hashes) instead of compiled, so no CUDA compiler is needed.
 
     The result has the plan as ``result.sparsecc_plan``.
     """
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
+    if kernels is not None:
+        runtime.use_kernels(kernels)
     prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
     decisions = pack_sites(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
     replaced = {}

@@ -11,6 +11,7 @@ change the environment at run time.
 | SPARSECC_CUTLASS_DIR     | a CUTLASS ``include`` directory                            | from the nvidia-cutlass wheel |
 | SPARSECC_BUILD_JOBS      | kernels compiled in parallel                               | number of CPUs           |
 | SPARSECC_ON_BUILD_ERROR  | ``raise`` a KernelBuildError, or ``fallback`` to torch     | raise                    |
+| SPARSECC_KERNELS         | generated kernel directories to load from (``:``-separated) | none                     |
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Settings:
     cutlass_dir: Path | None
     build_jobs: int
     on_build_error: str
+    kernel_dirs: tuple[Path, ...] = ()
 
 
 def _cutlass_from_wheel() -> Path | None:
@@ -69,6 +71,7 @@ def settings() -> Settings:
         cutlass_dir=Path(cutlass) if cutlass else _cutlass_from_wheel(),
         build_jobs=max(1, jobs),
         on_build_error=policy,
+        kernel_dirs=tuple(Path(p) for p in env.get("SPARSECC_KERNELS", "").split(os.pathsep) if p),
     )
 
 

@@ -105,6 +105,22 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
     return table
 
 
+def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
+    """Every kernel a plan's CUDA sites need, per architecture: for sm_90a the 2:4 compressor
+    and each M bucket's tiling of every 2:4 site the kernels take; for sm_80 the family's
+    default kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
+    specs: list[KernelSpec] = []
+    for site in plan:
+        if site.choice != str(NM_2_4) or shape_supported(*site.shape, getattr(torch, site.dtype, None)):
+            continue
+        if "sm_90a" in archs:
+            specs.append(KernelSpec(Family.SM90_COMPRESS24, site.dtype))
+            specs += [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
+        if "sm_80" in archs:
+            specs.append(KernelSpec.default(Family.SM80_SPARSE24, site.dtype))
+    return list(dict.fromkeys(specs))
+
+
 def dispatch_string(entries: list[tuple[int, Launch]]) -> str:
     return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}" for bound, launch in entries)
 
@@ -136,6 +152,8 @@ def kernels_unavailable(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return f"the generated kernels target sm_90a (Hopper); this GPU is sm_{major}{minor}"
+    if runtime.directories():
+        return None                 # generated kernels: no compiler needed
     try:
         toolchain()
     except KernelBuildError as error:

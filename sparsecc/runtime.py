@@ -10,9 +10,11 @@ import ctypes
 from pathlib import Path
 from typing import Iterable
 
-from .build import KernelCache, build
+from .build import KernelCache, build, toolchain
 from .codegen import Family, KernelSpec
-from .errors import SparseccError
+from .config import settings
+from .errors import KernelBuildError, SparseccError
+from .kernel_dir import KernelDirectory
 
 _VOID = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -76,15 +78,48 @@ class Kernel:
 
 
 _REGISTRY: dict[str, Kernel] = {}
+_DIRECTORIES: dict[Path, KernelDirectory] = {}
+
+
+def use_kernels(path: Path | str) -> KernelDirectory:
+    """Take kernels from a directory made by ``sparsecc generate`` before compiling any.
+    The directory is checked (manifest hash, templates) now, each binary when first loaded."""
+    path = Path(path).resolve()
+    if path not in _DIRECTORIES:
+        _DIRECTORIES[path] = KernelDirectory(path)
+    return _DIRECTORIES[path]
+
+
+def directories() -> list[KernelDirectory]:
+    """The kernel directories in use: those passed to :func:`use_kernels` and SPARSECC_KERNELS."""
+    for path in settings().kernel_dirs:
+        use_kernels(path)
+    return list(_DIRECTORIES.values())
 
 
 def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
            progress: bool = True) -> dict[KernelSpec, Kernel]:
-    """Build (or find in the cache) and load ``specs``; each library is loaded once."""
+    """Load ``specs``, each library once per process: from a kernel directory if one has it,
+    else from the cache, compiling what is in neither."""
     specs = list(specs)
     missing = [s for s in specs if s.symbol not in _REGISTRY]
-    if missing:
-        for spec, path in build(missing, cache=cache, progress=progress).items():
+    to_build = []
+    for spec in missing:
+        directory = next((d for d in directories() if spec in d), None)
+        if directory is not None:
+            _REGISTRY[spec.symbol] = Kernel(spec, directory.binary(spec))
+        else:
+            to_build.append(spec)
+    if to_build and _DIRECTORIES:
+        try:
+            toolchain()
+        except KernelBuildError as error:
+            names = ", ".join(s.symbol for s in to_build[:3]) + (" ..." if len(to_build) > 3 else "")
+            raise KernelBuildError(f"{len(to_build)} kernels are not in the kernel directories "
+                                   f"{[str(p) for p in _DIRECTORIES]} ({names}) and cannot be compiled "
+                                   f"here: {error}") from None
+    if to_build:
+        for spec, path in build(to_build, cache=cache, progress=progress).items():
             _REGISTRY[spec.symbol] = Kernel(spec, path)
     return {spec: _REGISTRY[spec.symbol] for spec in specs}
 

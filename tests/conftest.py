@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import shutil
+import textwrap
 
 import pytest
 import torch
 
+from sparsecc import build as build_module
 from sparsecc.config import settings
 
 #: relative-error bounds (||got - ref|| / ||ref|| against an fp64 reference), by dtype
@@ -60,3 +62,43 @@ def block_sparse(rows, cols, block, density, generator=None, dtype=torch.float32
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+FAKE_NVCC = textwrap.dedent("""\
+    #!/usr/bin/env python3
+    # stands in for nvcc: copies the source to the output, fails on '#error', logs each compile
+    import os, sys, time
+    args = sys.argv[1:]
+    if args == ["--version"]:
+        print("Cuda compilation tools, release 13.0, V13.0.0-test"); sys.exit(0)
+    out, src = args[args.index("-o") + 1], args[-1]
+    text = open(src).read()
+    with open(os.environ["FAKE_NVCC_LOG"], "a") as log: log.write(src + "\\n")
+    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+    if "#error" in text:
+        sys.stderr.write(src + ":1: error: boom\\n"); sys.exit(2)
+    open(out, "w").write(text)
+    """)
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    script = tmp_path / "nvcc"
+    script.write_text(FAKE_NVCC)
+    script.chmod(0o755)
+    log = tmp_path / "compiles.log"
+    log.write_text("")
+    include = tmp_path / "cutlass" / "include"
+    (include / "cutlass").mkdir(parents=True)
+    (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
+    monkeypatch.setenv("SPARSECC_NVCC", str(script))
+    monkeypatch.setenv("SPARSECC_CUTLASS_DIR", str(include))
+    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
+    build_module._toolchain.cache_clear()
+    yield log
+    build_module._toolchain.cache_clear()
+
+
+def compiles(log) -> int:
+    return len(log.read_text().splitlines())

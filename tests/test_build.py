@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -16,49 +15,9 @@ from sparsecc.build import KernelCache, build, toolchain
 from sparsecc.codegen import Family, KernelSpec
 from sparsecc.errors import KernelBuildError
 
-from conftest import requires_nvcc
+from conftest import compiles, requires_nvcc
 
 SPEC = KernelSpec(Family.SM90_DENSE, "float16")
-
-FAKE_NVCC = textwrap.dedent("""\
-    #!/usr/bin/env python3
-    # stands in for nvcc: copies the source to the output, fails on '#error', logs each compile
-    import os, sys, time
-    args = sys.argv[1:]
-    if args == ["--version"]:
-        print("Cuda compilation tools, release 13.0, V13.0.0-test"); sys.exit(0)
-    out, src = args[args.index("-o") + 1], args[-1]
-    text = open(src).read()
-    with open(os.environ["FAKE_NVCC_LOG"], "a") as log: log.write(src + "\\n")
-    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
-    if "#error" in text:
-        sys.stderr.write(src + ":1: error: boom\\n"); sys.exit(2)
-    open(out, "w").write(text)
-    """)
-
-
-@pytest.fixture
-def fake_nvcc(tmp_path, monkeypatch):
-    script = tmp_path / "nvcc"
-    script.write_text(FAKE_NVCC)
-    script.chmod(0o755)
-    log = tmp_path / "compiles.log"
-    log.write_text("")
-    include = tmp_path / "cutlass" / "include"
-    (include / "cutlass").mkdir(parents=True)
-    (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
-    monkeypatch.setenv("SPARSECC_NVCC", str(script))
-    monkeypatch.setenv("SPARSECC_CUTLASS_DIR", str(include))
-    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
-    build_module._toolchain.cache_clear()
-    yield log
-    build_module._toolchain.cache_clear()
-
-
-def compiles(log) -> int:
-    return len(log.read_text().splitlines())
-
 
 def test_second_build_comes_from_the_cache(fake_nvcc, tmp_path):
     first = build([SPEC], progress=False)[SPEC]
@@ -96,6 +55,36 @@ def test_cache_writable_by_others_is_not_trusted(fake_nvcc, tmp_path, caplog):
     assert cache.root != shared and "writable by other users" in caplog.text
     path = build([SPEC], cache=cache, progress=False)[SPEC]
     assert shared not in path.parents
+
+
+def test_read_only_cache_falls_back_to_a_private_one(fake_nvcc, tmp_path, monkeypatch, caplog):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o700)
+    read_only.chmod(0o500)
+    if os.geteuid() == 0:        # root writes through file modes: make the check see what a user would
+        real_access = os.access
+        monkeypatch.setattr(build_module.os, "access",
+                            lambda path, mode: False if str(path) == str(read_only) else real_access(path, mode))
+    cache = KernelCache(read_only)
+    assert cache.root != read_only and "using the private cache" in caplog.text
+    assert build([SPEC], cache=cache, progress=False)[SPEC].is_file()
+    assert list(read_only.iterdir()) == []
+
+
+def test_disk_full_while_publishing_keeps_the_old_state(fake_nvcc, monkeypatch):
+    other = KernelSpec(Family.SM90_DENSE, "bfloat16")
+    kept = build([other], progress=False)[other]
+    before = sorted(p.name for p in (KernelCache().root / "kernels").iterdir())
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(build_module.os, "rename", no_space)
+    with pytest.raises(KernelBuildError, match="No space left on device"):
+        build([SPEC], progress=False)
+    root = KernelCache().root
+    assert sorted(p.name for p in (root / "kernels").iterdir()) == before
+    assert not list((root / "staging").iterdir())
+    assert build([other], progress=False)[other] == kept and build_module.LAST_BUILD.cached == 1
 
 
 def test_compile_failure_reports_command_stderr_and_source(fake_nvcc, monkeypatch):

@@ -8,11 +8,14 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
   M=1 exactly as in decoding; attention over a cache is left out), 2:4;
 - ``vit-b16``: batch 256, 90% block sparsity with 64x64 blocks.
 
-fp16, median of CUDA-event timings of eager calls (``us_eager``; ``us`` is left null, no
-graph capture). Rows carry ``model`` and ``impl`` (eager, inductor, sparsecc) and
-``rel_err`` against the eager output.
+fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null).
+Rows carry ``model`` and ``impl`` and ``rel_err`` against the eager output. ``impl``:
+eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
+inductor-graphs (``mode="reduce-overhead"``) and sparsecc-graphs (the sparsecc backend with
+``cudagraphs=True``), where host overhead is gone on both sides.
 
     python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...]
+    python benchmarks/e2e.py --plot results/e2e-<gpu>-<date>.json     # redraw a results file's plot
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import environment, rel_err, time_eager_us, write  # noqa: E402
 
 import sparsecc  # noqa: E402
+from sparsecc.backend import make_backend  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 CASES = {
@@ -38,7 +42,12 @@ CASES = {
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(CASES))
+    parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)
+    if args.plot:
+        result = __import__("json").loads(open(args.plot).read())
+        plot(result, __import__("pathlib").Path(args.plot).with_suffix(".png"))
+        return result
     result = environment("e2e")
     path = None
     for case in args.models:
@@ -51,11 +60,14 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             reference = model(inputs)[0]
             impls = {"eager": lambda: model, "inductor": lambda: torch.compile(model),
-                     "sparsecc": lambda: torch.compile(model, backend="sparsecc")}
+                     "sparsecc": lambda: torch.compile(model, backend="sparsecc"),
+                     "inductor-graphs": lambda: torch.compile(model, mode="reduce-overhead"),
+                     "sparsecc-graphs": lambda: torch.compile(model, backend=make_backend(cudagraphs=True))}
             for impl, make in impls.items():
                 torch._dynamo.reset()                   # each compiled variant starts from scratch
                 fn = make()
-                out = fn(inputs)[0]
+                fn(inputs)                              # CUDA graphs record on a later call
+                out = fn(inputs)[0].clone()
                 row = {"model": case, "impl": impl, "format": "dense" if impl != "sparsecc" else pattern,
                        "M": batch * max(seq, 1), "N": None, "K": None, "dtype": "float16", "epilogue": None,
                        "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
@@ -64,14 +76,42 @@ def main(argv=None) -> dict:
                 result["rows"].append(row)
                 print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done
+            plot(result, path.with_suffix(".png"))
         del model, impls
         torch.cuda.empty_cache()
     print("wrote", path)
     for case in dict.fromkeys(r["model"] for r in result["rows"]):
         times = {r["impl"]: r["us_eager"] for r in result["rows"] if r["model"] == case}
-        if "inductor" in times and "sparsecc" in times:
-            print(f"{case:18s} sparsecc speedup over Inductor dense: {times['inductor'] / times['sparsecc']:.2f}x")
+        for suffix in ("", "-graphs"):
+            if "inductor" + suffix in times and "sparsecc" + suffix in times:
+                print(f"{case:18s} sparsecc{suffix} speedup over inductor{suffix}: "
+                      f"{times['inductor' + suffix] / times['sparsecc' + suffix]:.2f}x")
     return result
+
+
+def plot(result: dict, path) -> None:
+    """Per model, each implementation's time relative to Inductor dense (higher is faster)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    impls = list(dict.fromkeys(r["impl"] for r in result["rows"]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        speedups = []
+        for model in models:
+            times = {r["impl"]: r["us_eager"] for r in result["rows"] if r["model"] == model}
+            speedups.append(times["inductor"] / times[impl] if impl in times and "inductor" in times else 0)
+        ax.bar([m + i * width for m in range(len(models))], speedups, width, label=impl)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([m + 0.4 - width / 2 for m in range(len(models))], models)
+    ax.set_ylabel("speedup over Inductor dense (per call)")
+    ax.set_title(f"end to end, fp16, {result['device']}, torch {result['torch']}, CUDA {result['cuda']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

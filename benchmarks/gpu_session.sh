@@ -2,14 +2,18 @@
 # One session on a GPU machine with no network: install the carried CUTLASS wheel and
 # sparsecc, build the kernels (the carried cache .kcache/ is reused when the compiler
 # matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
-#   usage: OUT=/some/dir bash benchmarks/gpu_session.sh [pytest args...]
+#   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
+# (e2e.py and kernels.py run only when E2E_ARGS / BENCH_ARGS are set, possibly empty)
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=$PWD/.kcache SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
+# what the session carries (benchmarks/README.md): .carry/cutlass.tgz, the CUTLASS headers of the
+# nvidia-cutlass wheel, and .carry/kcache.tgz, a kernel cache built before (optional)
+mkdir -p /tmp/cutlass && tar xzf .carry/cutlass.tgz -C /tmp/cutlass || exit 1
+export SPARSECC_CUTLASS_DIR=/tmp/cutlass/source/include
+[ -f .carry/kcache.tgz ] && tar xzf .carry/kcache.tgz
 mkdir -p .kcache && chmod -R go-w .kcache && chmod 700 .kcache
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=/tmp/site
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
   2>&1 | tee -a "$OUT/session.log"
@@ -35,8 +39,9 @@ imported = time.time()
 kernels = runtime.ensure(session_specs(), progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
-# one kernel compiled from scratch into an empty cache, timed (in the background, while the tests run)
-python3 - > /tmp/probe.txt 2>&1 <<'PY' &
+# with PROBE=1: one kernel compiled from scratch into an empty cache, timed (in the background)
+touch /tmp/probe.txt
+[ "${PROBE:-0}" = 1 ] && python3 - > /tmp/probe.txt 2>&1 <<'PY' &
 import time
 from sparsecc import build
 from sparsecc.codegen import Family, KernelSpec
@@ -44,10 +49,11 @@ for spec in (KernelSpec(Family.SM90_SPARSE24, "float16", tile=(256, 64, 128)), K
     start = time.time(); build.build([spec], cache=build.KernelCache("/tmp/probe-cache"), progress=False)
     print(f"{spec.symbol} compiled from scratch in {time.time()-start:.1f} s")
 PY
-PROBE=$!
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_gpu_kernels.py -q -x -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -6
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/session.log" | tail -25
-wait $PROBE; cat /tmp/probe.txt | tee -a "$OUT/session.log"
-cp benchmarks/results/kernels-*.json benchmarks/results/kernels-*.png benchmarks/results/host_overhead-*.json "$OUT/" 2>/dev/null
+PROBE_PID=$!
+[ "${TESTS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_gpu_*.py} -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -7
+[ -n "${E2E_ARGS+x}" ] && timeout ${E2E_TIMEOUT:-400} python3 benchmarks/e2e.py $E2E_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
+[ -n "${BENCH_ARGS+x}" ] && timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py $BENCH_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -25
+wait $PROBE_PID 2>/dev/null; cat /tmp/probe.txt | tee -a "$OUT/session.log"
+cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
 ls "$OUT"

@@ -52,6 +52,7 @@ class SparseGraph:
     original: fx.GraphModule
     formats: list[FormatSpec] | None
     inductor: bool
+    cudagraphs: bool
     cost_model: CostModel | None
     plan: Plan | None = None
     rebuilds: int = 0
@@ -78,7 +79,8 @@ class SparseGraph:
                          for s in sites if decisions.get(s.name) is not None and s.weight_name in index_of]
         if self.inductor:
             from torch._inductor.compile_fx import compile_fx
-            self._fn = compile_fx(gm, list(inputs))
+            patches = {"triton.cudagraphs": True} if self.cudagraphs else None
+            self._fn = compile_fx(gm, list(inputs), config_patches=patches)
         else:
             self._fn = gm.forward
 
@@ -107,16 +109,18 @@ def _propagate(gm: fx.GraphModule, inputs: list) -> None:
 COMPILED: list[SparseGraph] = []
 
 
-def make_backend(*, formats=None, inductor: bool = True, cost_model: CostModel | None = None, kernels=None):
+def make_backend(*, formats=None, inductor: bool = True, cudagraphs: bool = False,
+                 cost_model: CostModel | None = None, kernels=None):
     """A Dynamo backend with options: ``formats`` restricts the candidates and ``kernels``
     names a generated kernel directory, as in ``sparsecc.compile``; ``inductor=False`` runs
-    the rewritten graph without Inductor."""
+    the rewritten graph without Inductor; ``cudagraphs=True`` has Inductor replay it from CUDA
+    graphs (what ``mode="reduce-overhead"`` does for the inductor backend)."""
     if kernels is not None:
         runtime.use_kernels(kernels)
     allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
 
     def backend(gm: fx.GraphModule, example_inputs):
-        graph = SparseGraph(gm, allowed, inductor, cost_model)
+        graph = SparseGraph(gm, allowed, inductor, cudagraphs, cost_model)
         graph.build(list(example_inputs))
         COMPILED.append(graph)
         return graph

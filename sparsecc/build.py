@@ -194,7 +194,9 @@ def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
         jobs = jobs or settings().build_jobs
         with ThreadPoolExecutor(max_workers=min(jobs, len(todo))) as pool, \
                 tqdm(total=len(todo), desc="sparsecc: compiling kernels", unit="kernel", disable=not progress) as bar:
-            futures = {spec: pool.submit(_build_one, spec, sources[spec], keys[spec], tools, cache) for spec in todo}
+            futures = {spec: pool.submit(_build_one, spec.symbol, json.loads(spec.describe()), sources[spec], keys[spec],
+                                         lambda src, out, spec=spec: nvcc_command(spec, tools, src, out), tools, cache)
+                       for spec in todo}
             for spec, future in futures.items():
                 found[spec] = future.result()
                 bar.update()
@@ -206,14 +208,27 @@ def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
     return found
 
 
-def _build_one(spec: KernelSpec, source: str, key: str, tools: Toolchain, cache: KernelCache) -> Path:
+def build_source(symbol: str, description: dict, source: str, command, material: dict,
+                 cache: KernelCache | None = None) -> Path:
+    """Compile one source that is not a kernel template (e.g. the C++ launcher) through the
+    same cache: ``command(source_path, output_path)`` gives the compiler's argv, ``material``
+    whatever else the binary depends on (compiler and library versions)."""
+    tools = toolchain()
+    cache = cache or KernelCache()
+    key = hashlib.sha256(json.dumps({"layout": CACHE_LAYOUT, "source": source, "material": material,
+                                     "nvcc": tools.nvcc_version}, sort_keys=True).encode()).hexdigest()
+    return cache.lookup(key) or _build_one(symbol, description, source, key, command, tools, cache)
+
+
+def _build_one(symbol: str, description: dict, source: str, key: str, command, tools: Toolchain,
+               cache: KernelCache) -> Path:
     with cache.lock(key):
         published = cache.lookup(key)          # another process may have built it meanwhile
         if published is not None:
             return published
         staging = Path(tempfile.mkdtemp(prefix=key[:16] + "-", dir=cache.root / "staging"))
         try:
-            _compile_into(staging, spec, source, key, tools, cache)
+            _compile_into(staging, symbol, description, source, key, command, tools, cache)
             try:
                 os.rename(staging, cache.path(key))
             except OSError:
@@ -221,28 +236,27 @@ def _build_one(spec: KernelSpec, source: str, key: str, tools: Toolchain, cache:
                     raise
             return cache.path(key) / "kernel.so"
         except OSError as error:      # disk full, quota, permissions: the cache keeps its old state
-            raise KernelBuildError(f"could not write {spec.symbol} into the kernel cache {cache.root}: {error}") from error
+            raise KernelBuildError(f"could not write {symbol} into the kernel cache {cache.root}: {error}") from error
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _compile_into(staging: Path, spec: KernelSpec, source: str, key: str, tools: Toolchain,
-                  cache: KernelCache) -> None:
+def _compile_into(staging: Path, symbol: str, description: dict, source: str, key: str, command,
+                  tools: Toolchain, cache: KernelCache) -> None:
     """Compile ``source`` into ``staging`` with the manifest that makes it a cache entry."""
     source_path = staging / "kernel.cu"
     source_path.write_text(source)
     binary = staging / "kernel.so"
-    command = nvcc_command(spec, tools, source_path, binary)
+    argv = command(source_path, binary)
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(argv, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if result.returncode != 0 or not binary.is_file():
-        kept = cache.root / "failed" / f"{spec.symbol}.cu"
+        kept = cache.root / "failed" / f"{symbol}{source_path.suffix}"
         shutil.copyfile(source_path, kept)
-        raise KernelBuildError(f"nvcc failed to compile {spec.symbol} (exit {result.returncode})",
-                               command=command, stderr=result.stderr + result.stdout, source_path=str(kept))
-    manifest = {"key": key, "symbol": spec.symbol, "spec": json.loads(spec.describe()),
-                "sha256": _sha256(binary), "command": command, "nvcc": tools.nvcc_version,
-                "cutlass": tools.cutlass_version, "compile_seconds": round(seconds, 2)}
+        raise KernelBuildError(f"nvcc failed to compile {symbol} (exit {result.returncode})",
+                               command=argv, stderr=result.stderr + result.stdout, source_path=str(kept))
+    manifest = {"key": key, "symbol": symbol, "spec": description, "sha256": _sha256(binary), "command": argv,
+                "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version, "compile_seconds": round(seconds, 2)}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    log.info("compiled %s in %.1f s", spec.symbol, seconds)
+    log.info("compiled %s in %.1f s", symbol, seconds)

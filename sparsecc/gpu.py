@@ -229,20 +229,47 @@ class CutlassSparse24Weight(PackedWeight):
                              "none", False, False, self.kernels).t().contiguous()
 
 
-@torch.library.custom_op("sparsecc::linear_kernel", mutates_args=())
-def linear_kernel(x: Tensor, weight: Tensor, metadata: Optional[Tensor], out_features: int, in_features: int,
-                  bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool,
-                  kernels: str) -> Tensor:
-    """A site on a generated kernel: ``weight`` is the compressed 2:4 values with their
-    ``metadata``, or (metadata None) the dense [N, K] weight."""
+_LIB = torch.library.Library("sparsecc", "FRAGMENT")
+_LIB.define("linear_kernel(Tensor x, Tensor weight, Tensor? metadata, int out_features, int in_features, "
+            "Tensor? bias, str activation, bool x_transposed, bool transpose_out, str kernels) -> Tensor")
+
+#: ``sparsecc::linear_kernel``: a site on a generated kernel; ``weight`` is the compressed 2:4
+#: values with their ``metadata``, or (metadata None) the dense [N, K] weight. Its CUDA
+#: implementation is installed with the first kernel (:func:`cuda_implementation`).
+linear_kernel = torch.ops.sparsecc.linear_kernel.default
+
+
+def _linear_kernel_elsewhere(x, weight, metadata, out_features, in_features, bias, activation, x_transposed,
+                             transpose_out, kernels):
     raise InputError("sparsecc::linear_kernel runs generated CUDA kernels: this module was compiled for a "
                      f"CUDA GPU and cannot run on {x.device.type}; compile it again for this device")
 
 
-@linear_kernel.register_kernel("cuda")
-def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
+_LIB.impl("linear_kernel", _linear_kernel_elsewhere, "CPU")
+
+
+@lru_cache(maxsize=1)
+def cuda_implementation() -> str:
+    """Install the op's CUDA implementation, once: the C++ launcher (a few microseconds per
+    call) where it builds, else the Python one below. Returns which: "c++" or "python"."""
+    from . import launcher
+    if launcher.load() is not None:
+        return "c++"
+    _LIB.impl("linear_kernel", _linear_kernel_python, "CUDA")
+    return "python"
+
+
+def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, activation, x_transposed,
+                          transpose_out, kernels):
+    """The CUDA implementation in Python: what csrc/launcher.cpp does, for where it cannot be built."""
     if x.dtype != weight.dtype:
         raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's {weight.dtype}")
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise InputError(f"sparsecc linear: input on {x.device}, the weight on {weight.device}"
+                         + (f", the bias on {bias.device}" if bias is not None else ""))
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise InputError(f"sparsecc linear: bias of shape {tuple(bias.shape)} for a weight with {out_features} "
+                         f"outputs (expected [{out_features}])")
     code = ACTIVATION_CODES.get(activation)
     if code is None:
         Activation.parse(activation)            # raises the clear error
@@ -272,7 +299,7 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     return y
 
 
-@linear_kernel.register_fake
+@torch.library.register_fake("sparsecc::linear_kernel")
 def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
     if x.dim() == 1:
         return x.new_empty(out_features)
@@ -283,4 +310,4 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     return x.new_empty(shape)
 
 
-CutlassSparse24Weight.op = torch.ops.sparsecc.linear_kernel.default
+CutlassSparse24Weight.op = linear_kernel

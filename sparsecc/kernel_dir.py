@@ -6,7 +6,11 @@ hand, and ``manifest.json``::
 
     {"format": 1, "sparsecc": "0.1.0", "templates": <sha256 of the templates>,
      "nvcc": ..., "cutlass": ..., "kernels": [{"symbol", "arch", "spec", "source",
-     "binary", "source_sha256", "sha256"}, ...], "manifest_sha256": <sha256 of the rest>}
+     "binary", "source_sha256", "sha256"}, ...], "launcher": {"binary", "sha256", "torch",
+     "cuda", "abi"}, "manifest_sha256": <sha256 of the rest>}
+
+(``launcher`` is the C++ launch path of :mod:`sparsecc.launcher`, present when the directory
+was generated with a CUDA build of torch and used only under the same torch.)
 
 ``sparsecc.compile(..., kernels=DIR)`` (or ``SPARSECC_KERNELS=DIR``) makes the runtime take
 kernels from there before it would compile anything. A directory is trusted only as far as
@@ -20,6 +24,9 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
+from . import launcher
 from .codegen import KernelSpec, render, templates_digest
 from .errors import SparseccError
 
@@ -72,6 +79,11 @@ def write(specs, out: Path | str, *, progress: bool = True) -> Path:
     (out / "build.ninja").write_text(_ninja_file(ninja))
     manifest = {"format": FORMAT, "sparsecc": __version__, "templates": templates_digest(),
                 "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version, "kernels": kernels}
+    if torch.version.cuda:            # the C++ launcher links against torch: only for a CUDA build of it
+        built = launcher.build()
+        shutil.copyfile(built, out / "sparsecc_launcher.so")
+        manifest["launcher"] = {"binary": "sparsecc_launcher.so", "sha256": _digest(built.read_bytes()),
+                                **launcher.torch_build()}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
@@ -109,10 +121,19 @@ class KernelDirectory:
         entry = self._entries.get(spec.symbol)
         return entry is not None and entry["spec"] == json.loads(spec.describe())
 
+    def launcher(self) -> Path | None:
+        """The verified C++ launcher, if the directory has one built for this torch."""
+        entry = self.manifest.get("launcher")
+        if not entry or {k: entry.get(k) for k in launcher.torch_build()} != launcher.torch_build():
+            return None
+        return self._verified_file("sparsecc_launcher", entry)
+
     def binary(self, spec: KernelSpec) -> Path:
         """The verified shared object of ``spec`` (which must be in the directory)."""
-        if spec.symbol not in self._verified:
-            entry = self._entries[spec.symbol]
+        return self._verified_file(spec.symbol, self._entries[spec.symbol])
+
+    def _verified_file(self, name: str, entry: dict) -> Path:
+        if name not in self._verified:
             binary = self.path / entry["binary"]
             try:
                 actual = _digest(binary.read_bytes())
@@ -121,8 +142,8 @@ class KernelDirectory:
             if actual != entry["sha256"]:
                 raise KernelDirectoryError(f"{binary} does not match the sha256 in {self.path / MANIFEST}: "
                                            "refusing to load it; generate the directory again")
-            self._verified[spec.symbol] = binary
-        return self._verified[spec.symbol]
+            self._verified[name] = binary
+        return self._verified[name]
 
     def __repr__(self) -> str:
         return f"KernelDirectory({str(self.path)!r}, {len(self._entries)} kernels)"

@@ -16,6 +16,17 @@ CSR and BSR, or block products where torch has no BSR kernel for the dtype or bl
 fp16/bf16 sparse products accumulate in fp32. Generated CUDA kernels register themselves
 for the CUDA device on top of these (``register_kernel("cuda")``). Each op also has a fake
 implementation (shapes only) for tracing and torch.compile.
+
+What every op accepts (checked by :func:`_prepare`, the same for all four):
+
+- ``x`` must have the weight's dtype and K features; anything else raises InputError
+  naming both. Any strides and any alignment are fine, and ``M = 0`` gives an empty output.
+- ``bias`` must have shape ``[N]``; another shape raises InputError (it is never
+  broadcast). A bias of another dtype is cast to ``x``'s dtype first, as the CUDA kernels
+  do, so a float32 bias on an fp16 site works and rounds like an fp16 bias.
+- an unknown ``activation`` raises InputError.
+- NaN and infinities in ``x`` propagate exactly as in dense ``F.linear`` with the same
+  weight, zeros included (``0 * NaN = NaN``): see :func:`_has_nonfinite`.
 """
 from __future__ import annotations
 
@@ -46,6 +57,46 @@ def _check_dtype(x: Tensor, weight_dtype: torch.dtype) -> None:
     if x.dtype != weight_dtype:
         raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's "
                          f"{weight_dtype}; cast the input (as F.linear would require)")
+
+
+def _check_bias(bias: Optional[Tensor], out_features: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """``bias`` as an ``[N]`` tensor of ``dtype`` (the input's): another dtype is cast, as the
+    CUDA kernels do; a wrong shape is refused, since broadcasting it would hide the mistake."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != (out_features,):
+        raise InputError(f"sparsecc linear: bias has shape {tuple(bias.shape)}, the weight has "
+                         f"{out_features} output features (expected a bias of shape ({out_features},))")
+    return bias.to(dtype)
+
+
+def _prepare(x: Tensor, weight_dtype: torch.dtype, out_features: int, in_features: int,
+             bias: Optional[Tensor], activation: str,
+             x_transposed: bool) -> tuple[Tensor, tuple[int, ...], Optional[Tensor]]:
+    """Check an op's arguments (see the module docstring) and return ``x`` as [M, K] rows,
+    the leading shape of the output rows, and the bias in ``x``'s dtype."""
+    Activation.parse(activation)
+    _check_dtype(x, weight_dtype)
+    x2d, lead = _rows(x, x_transposed, in_features)
+    return x2d, lead, _check_bias(bias, out_features, x.dtype)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sparse product runs in: fp16/bf16 accumulate in fp32."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _has_nonfinite(x2d: Tensor) -> bool:
+    """Whether ``x2d`` holds a NaN or an infinity.
+
+    A torch sparse product only multiplies the stored values, so a NaN or Inf of ``x`` that
+    meets a zero of the weight is skipped, where dense ``F.linear`` gives ``0 * NaN = NaN``
+    (and ``0 * Inf = NaN``). The CSR and BSR ops check with this and take a dense product
+    when it returns True. One reduction is cheap next to the product: a sum over a NaN or
+    an infinity is not finite; a sum of finite values that overflows is a false alarm that
+    only costs the dense fallback. (On CUDA, reading the answer waits for the device.)
+    """
+    return not bool(torch.isfinite(x2d.sum()))
 
 
 def _finish(y: Tensor, lead: tuple[int, ...], bias: Optional[Tensor], activation: str,
@@ -91,9 +142,9 @@ def _sparse_matmul(weight: Tensor, x2d: Tensor) -> Tensor:
 @torch.library.custom_op("sparsecc::linear_dense", mutates_args=())
 def linear_dense(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
                  x_transposed: bool, transpose_out: bool) -> Tensor:
-    Activation.parse(activation)
-    _check_dtype(x, weight.dtype)
-    _rows(x, x_transposed, weight.shape[1])
+    """A dense site (``weight [N, K]``); arguments are checked as the module docstring says."""
+    _, _, bias = _prepare(x, weight.dtype, weight.shape[0], weight.shape[1], bias, activation,
+                          x_transposed)
     return linear_torch(x, weight, bias, activation, x_transposed, transpose_out).contiguous()
 
 
@@ -117,14 +168,13 @@ def nm_to_dense(values: Tensor, indices: Tensor, n: int, m: int, in_features: in
 def linear_nm(x: Tensor, values: Tensor, indices: Tensor, n: int, m: int, in_features: int,
               bias: Optional[Tensor], activation: str, x_transposed: bool,
               transpose_out: bool) -> Tensor:
-    Activation.parse(activation)
-    _check_dtype(x, values.dtype)
+    """An n:m site: the weight is unpacked to dense, so the product is a dense one (NaN and
+    Inf propagate as in F.linear); arguments are checked as the module docstring says."""
+    x2d, lead, bias = _prepare(x, values.dtype, values.shape[0], in_features, bias, activation,
+                               x_transposed)
     weight = nm_to_dense(values, indices, n, m, in_features)
-    x2d, lead = _rows(x, x_transposed, in_features)
     y = F.linear(x2d, weight)
-    if bias is not None:
-        y = y + bias
-    return _finish(apply_activation(y, activation), lead, None, "none", transpose_out, x.dtype)
+    return _finish(y, lead, bias, activation, transpose_out, x.dtype)
 
 
 @linear_nm.register_fake
@@ -149,7 +199,7 @@ def _bsr_block_products(crow: Tensor, col: Tensor, values: Tensor, out_features:
     rows = x2d.shape[0]
     block_row = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device),
                                         (crow[1:] - crow[:-1]).long())
-    x_blocks = x2d.reshape(rows, -1, w)[:, col.long()].permute(1, 2, 0)     # [nnzb, w, M]
+    x_blocks = x2d.reshape(rows, x2d.shape[1] // w, w)[:, col.long()].permute(1, 2, 0)  # [nnzb, w, M]
     products = torch.bmm(values, x_blocks)                                   # [nnzb, h, M]
     out = products.new_zeros(out_features // h, h, rows)
     out.index_add_(0, block_row, products)
@@ -160,15 +210,18 @@ def _bsr_block_products(crow: Tensor, col: Tensor, values: Tensor, out_features:
 def linear_bsr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
                in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
                transpose_out: bool) -> Tensor:
-    Activation.parse(activation)
-    _check_dtype(x, values.dtype)
-    x2d, lead = _rows(x, x_transposed, in_features)
-    compute = torch.float32 if values.dtype in _LOW_PRECISION else values.dtype
+    """A BSR site; arguments are checked as the module docstring says. Non-finite inputs
+    take a dense product (see :func:`_has_nonfinite`)."""
+    x2d, lead, bias = _prepare(x, values.dtype, out_features, in_features, bias, activation,
+                               x_transposed)
+    compute = _compute_dtype(values.dtype)
     vals, x2d = values.to(compute), x2d.to(compute)
     block = (values.shape[1], values.shape[2])
-    if _torch_has_bsr_kernel(x.device, compute, block):
-        weight = torch.sparse_bsr_tensor(crow, col, vals, (out_features, in_features),
-                                         check_invariants=False)
+    weight = torch.sparse_bsr_tensor(crow, col, vals, (out_features, in_features),
+                                     check_invariants=False)
+    if _has_nonfinite(x2d):
+        y = F.linear(x2d, weight.to_dense())
+    elif _torch_has_bsr_kernel(x.device, compute, block):
         y = _sparse_matmul(weight, x2d)
     else:
         y = _bsr_block_products(crow, col, vals, out_features, x2d)
@@ -186,13 +239,15 @@ def _(x, crow, col, values, out_features, in_features, bias, activation, x_trans
 def linear_csr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
                in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
                transpose_out: bool) -> Tensor:
-    Activation.parse(activation)
-    _check_dtype(x, values.dtype)
-    x2d, lead = _rows(x, x_transposed, in_features)
-    compute = torch.float32 if values.dtype in _LOW_PRECISION else values.dtype
+    """A CSR site; arguments are checked as the module docstring says. Non-finite inputs
+    take a dense product (see :func:`_has_nonfinite`)."""
+    x2d, lead, bias = _prepare(x, values.dtype, out_features, in_features, bias, activation,
+                               x_transposed)
+    compute = _compute_dtype(values.dtype)
+    x2d = x2d.to(compute)
     weight = torch.sparse_csr_tensor(crow, col, values.to(compute), (out_features, in_features),
                                      check_invariants=False)
-    y = _sparse_matmul(weight, x2d.to(compute))
+    y = F.linear(x2d, weight.to_dense()) if _has_nonfinite(x2d) else _sparse_matmul(weight, x2d)
     return _finish(y, lead, bias, activation, transpose_out, x.dtype)
 
 

@@ -10,6 +10,9 @@ import ctypes
 from pathlib import Path
 from typing import Iterable
 
+import torch
+
+from . import launcher
 from .build import KernelCache, build, toolchain
 from .codegen import Family, KernelSpec
 from .config import settings
@@ -121,6 +124,12 @@ def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
     if to_build:
         for spec, path in build(to_build, cache=cache, progress=progress).items():
             _REGISTRY[spec.symbol] = Kernel(spec, path)
+    gemms = [_REGISTRY[s.symbol] for s in missing if s.family is not Family.SM90_COMPRESS24]
+    if gemms and torch.cuda.is_available():
+        from .gpu import cuda_implementation
+        if cuda_implementation() == "c++":
+            for kernel in gemms:
+                launcher.add_kernel(kernel.spec.symbol, kernel.library)
     return {spec: _REGISTRY[spec.symbol] for spec in specs}
 
 

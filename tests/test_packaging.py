@@ -21,6 +21,8 @@ def test_installed_package_finds_passes_and_templates():
     names = {p.name for p in templates.iterdir()}
     expected = {p.name for p in (ROOT / "templates").glob("*.j2")}
     assert expected <= names
+    from sparsecc import launcher
+    assert "TORCH_LIBRARY_IMPL" in launcher.source()
 
 
 @pytest.mark.slow
@@ -37,4 +39,5 @@ def test_wheel_contains_passes_and_templates(tmp_path):
     for path in (ROOT / "templates").glob("*.j2"):
         assert f"sparsecc/templates/{path.name}" in names
     assert "sparsecc/templates/__init__.py" in names and "sparsecc/compiler.py" in names
+    assert "sparsecc/csrc/launcher.cpp" in names and "sparsecc/tuning.json" in names
     assert not any(n.startswith(("passes/", "templates/", "tests/")) for n in names)

@@ -1,0 +1,87 @@
+"""The C++ launch path of ``sparsecc::linear_kernel`` (``csrc/launcher.cpp``).
+
+Built once per torch version into the kernel cache and loaded with
+``torch.ops.load_library``, it registers the op's CUDA implementation in C++, so a call
+pays only the dispatcher: no Python below the op call. Kernels loaded by
+:mod:`sparsecc.runtime` hand it their entry points by symbol.
+
+If it cannot be built (no torch headers, an unusual toolchain) sparsecc says why once and
+registers the Python implementation in :mod:`sparsecc.gpu` instead: slower to call, same
+results.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .epilogue import ACTIVATION_CODES
+from .errors import KernelBuildError
+
+log = logging.getLogger("sparsecc")
+
+
+def source() -> str:
+    return importlib.resources.files("sparsecc").joinpath("csrc", "launcher.cpp").read_text()
+
+
+def compile_command(nvcc: str, source_path: Path, output: Path) -> list[str]:
+    """Host C++ compiled by nvcc's driver (which knows the CUDA headers), against torch."""
+    from torch.utils import cpp_extension
+    torch_lib = Path(torch.__file__).parent / "lib"
+    includes = [flag for path in cpp_extension.include_paths() for flag in ("-I", path)]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [nvcc, "-x", "c++", "-std=c++20", "-O2", "-DNDEBUG", "-shared", "-Xcompiler=-fPIC",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(source_path), "-o", str(output),
+            "-L", str(torch_lib), "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch_cuda",
+            f"-Xlinker=-rpath={torch_lib}"]
+
+
+def torch_build() -> dict:
+    """What the launcher binary depends on besides its source: it links against torch."""
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "abi": int(torch._C._GLIBCXX_USE_CXX11_ABI)}
+
+
+def build() -> Path:
+    """Compile the launcher for this torch (or find it in the kernel cache)."""
+    from .build import build_source, toolchain
+    tools = toolchain()
+    return build_source("sparsecc_launcher", {"launcher": "linear_kernel"}, source(),
+                        lambda src, out: compile_command(tools.nvcc, src, out), torch_build())
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """Load the launcher, from a kernel directory made for this torch or else built here;
+    None, with one warning, if it cannot be, or if SPARSECC_LAUNCHER=python asks for the
+    Python implementation."""
+    if os.environ.get("SPARSECC_LAUNCHER", "cpp").lower() == "python":
+        return None
+    from . import runtime
+    try:
+        path = next((p for p in (d.launcher() for d in runtime.directories()) if p is not None), None) or build()
+        torch.ops.load_library(str(path))
+    except (KernelBuildError, OSError, RuntimeError) as error:
+        log.warning("the C++ launcher of sparsecc::linear_kernel is not available (%s); using the Python "
+                    "implementation, which costs more host time per call", str(error).splitlines()[0])
+        return None
+    library = ctypes.CDLL(str(path))
+    library.sparsecc_launcher_add_kernel.argtypes = [ctypes.c_char_p] + [ctypes.c_void_p] * 3
+    library.sparsecc_launcher_add_activation.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    for name, code in ACTIVATION_CODES.items():
+        library.sparsecc_launcher_add_activation(name.encode(), code)
+    return library
+
+
+def add_kernel(symbol: str, kernel_library: ctypes.CDLL) -> None:
+    """Hand a loaded kernel's entry points to the launcher."""
+    launcher = load()
+    if launcher is None:
+        return
+    address = lambda name: ctypes.cast(getattr(kernel_library, f"{symbol}_{name}"), ctypes.c_void_p).value  # noqa: E731
+    launcher.sparsecc_launcher_add_kernel(symbol.encode(), address("run"), address("workspace_size"), address("error"))

@@ -12,6 +12,7 @@ change the environment at run time.
 | SPARSECC_BUILD_JOBS      | kernels compiled in parallel                               | number of CPUs           |
 | SPARSECC_ON_BUILD_ERROR  | ``raise`` a KernelBuildError, or ``fallback`` to torch     | raise                    |
 | SPARSECC_KERNELS         | generated kernel directories to load from (``:``-separated) | none                     |
+| SPARSECC_LAUNCHER        | ``cpp`` (the C++ launch path) or ``python`` (the fallback)  | cpp                      |
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from .errors import InputError
 
 _BUILD_ERROR_POLICIES = ("raise", "fallback")
+_LAUNCHERS = ("cpp", "python")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Settings:
     build_jobs: int
     on_build_error: str
     kernel_dirs: tuple[Path, ...] = ()
+    launcher: str = "cpp"
 
 
 def _cutlass_from_wheel() -> Path | None:
@@ -58,6 +61,9 @@ def settings() -> Settings:
     policy = env.get("SPARSECC_ON_BUILD_ERROR", "raise").lower()
     if policy not in _BUILD_ERROR_POLICIES:
         raise InputError(f"SPARSECC_ON_BUILD_ERROR={policy!r}: use one of {_BUILD_ERROR_POLICIES}")
+    launcher = env.get("SPARSECC_LAUNCHER", "cpp").lower()
+    if launcher not in _LAUNCHERS:
+        raise InputError(f"SPARSECC_LAUNCHER={launcher!r}: use one of {_LAUNCHERS}")
     jobs_text = env.get("SPARSECC_BUILD_JOBS", "")
     try:
         jobs = int(jobs_text) if jobs_text else (os.cpu_count() or 1)
@@ -71,6 +77,7 @@ def settings() -> Settings:
         cutlass_dir=Path(cutlass) if cutlass else _cutlass_from_wheel(),
         build_jobs=max(1, jobs),
         on_build_error=policy,
+        launcher=launcher,
         kernel_dirs=tuple(Path(p) for p in env.get("SPARSECC_KERNELS", "").split(os.pathsep) if p),
     )
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import importlib.resources
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from .config import settings
 from .epilogue import ACTIVATION_CODES
 from .errors import KernelBuildError
 
@@ -60,7 +60,7 @@ def load() -> ctypes.CDLL | None:
     """Load the launcher, from a kernel directory made for this torch or else built here;
     None, with one warning, if it cannot be, or if SPARSECC_LAUNCHER=python asks for the
     Python implementation."""
-    if os.environ.get("SPARSECC_LAUNCHER", "cpp").lower() == "python":
+    if settings().launcher == "python":
         return None
     from . import runtime
     try:

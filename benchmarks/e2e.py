@@ -20,12 +20,13 @@ inductor-graphs (``mode="reduce-overhead"``) and sparsecc-graphs (the sparsecc b
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, rel_err, time_eager_us, write  # noqa: E402
+from common import RESULTS, environment, rel_err, time_eager_us, write  # noqa: E402
 
 import sparsecc  # noqa: E402
 from sparsecc.backend import make_backend  # noqa: E402
@@ -45,10 +46,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)
     if args.plot:
-        result = __import__("json").loads(open(args.plot).read())
+        result = json.loads(open(args.plot).read())
         plot(result, __import__("pathlib").Path(args.plot).with_suffix(".png"))
         return result
     result = environment("e2e")
+    earlier = RESULTS / f"e2e-{result['device'].replace(' ', '_')}-{result['date']}.json"
+    if earlier.is_file():        # a run of some models keeps the others' rows of the same day and GPU
+        result["rows"] = [r for r in json.loads(earlier.read_text())["rows"] if r["model"] not in args.models]
     path = None
     for case in args.models:
         name, batch, seq, pattern = CASES[case]

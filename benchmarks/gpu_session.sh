@@ -2,8 +2,9 @@
 # One session on a GPU machine with no network: install the carried CUTLASS wheel and
 # sparsecc, build the kernels (the carried cache .kcache/ is reused when the compiler
 # matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
+# KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
-# (e2e.py and kernels.py run only when E2E_ARGS / BENCH_ARGS are set, possibly empty)
+# (e2e.py, decode.py and kernels.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS are set, possibly empty)
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=$PWD/.kcache SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
@@ -17,26 +18,29 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
   2>&1 | tee -a "$OUT/session.log"
-python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
+[ "${KERNELS:-}" != none ] && python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
 import sys, time
 sys.path.insert(0, "benchmarks")
-from kernel_set import session_specs
+import os
+import kernel_set
 from sparsecc import build
-specs = session_specs()
+specs = kernel_set.small_batch_session_specs() if os.environ.get("KERNELS") == "small-batch" else kernel_set.session_specs()
 start = time.time()
 build.build(specs, progress=False)
 print(f"kernels: {len(specs)}, built {build.LAST_BUILD.built}, from cache {build.LAST_BUILD.cached}, {time.time()-start:.1f} s")
 PY
 # a fresh process loading every kernel from the warm cache (lookup, hash check, dlopen)
-python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
+[ "${KERNELS:-}" != none ] && python3 - <<'PY' 2>&1 | tee -a "$OUT/session.log"
 import sys, time
 sys.path.insert(0, "benchmarks")
 start = time.time()
 import torch, sparsecc
-from kernel_set import session_specs
+import os
+import kernel_set
 from sparsecc import runtime
 imported = time.time()
-kernels = runtime.ensure(session_specs(), progress=False)
+kernels = runtime.ensure(kernel_set.small_batch_session_specs() if os.environ.get("KERNELS") == "small-batch"
+                         else kernel_set.session_specs(), progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
 # with PROBE=1: one kernel compiled from scratch into an empty cache, timed (in the background)
@@ -53,7 +57,8 @@ PROBE_PID=$!
 [ "${TESTS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_gpu_*.py} -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -7
 [ -n "${E2E_ARGS+x}" ] && timeout ${E2E_TIMEOUT:-400} python3 benchmarks/e2e.py $E2E_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
+[ -n "${DECODE_ARGS+x}" ] && timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/decode.py $DECODE_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -40
 [ -n "${BENCH_ARGS+x}" ] && timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py $BENCH_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -25
 wait $PROBE_PID 2>/dev/null; cat /tmp/probe.txt | tee -a "$OUT/session.log"
-cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
+cp benchmarks/results/*.json benchmarks/results/*.png sparsecc/tuning*.json "$OUT/" 2>/dev/null
 ls "$OUT"

@@ -1,6 +1,6 @@
 """The kernels a GPU session needs: the fp16 candidates the tuning sweep measures, the
-compressors, the other operand layouts the tests check, and every launch the dispatch
-tables name for the benchmark's shapes in both dtypes. Prebuilt into a cache (``python
+compressors, the other operand layouts the tests check, every launch the dispatch tables
+name for the benchmark's shapes in both dtypes, and every small-batch tiling. Prebuilt into a cache (``python
 benchmarks/kernel_set.py CACHE_DIR``), they cost the GPU machine no compile time."""
 from __future__ import annotations
 
@@ -28,6 +28,23 @@ def session_specs(sweep=("float16", "bfloat16")) -> list[KernelSpec]:
                 specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
     for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
         specs += [KernelSpec(family, "float16", x_transposed=True), KernelSpec(family, "float16", transpose_out=True)]
+    for name in ("float16", "bfloat16"):          # the small-batch kernels: every tiling decode.py measures
+        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name))]
+    return list(dict.fromkeys(specs))
+
+
+def small_batch_session_specs() -> list[KernelSpec]:
+    """What the small-batch tests and benchmarks/decode.py need: the compressors, every 2:4
+    GEMM the tuning table names, every small-batch tiling."""
+    from sparsecc import tuning
+    specs = [KernelSpec(Family.SM90_COMPRESS24, name) for name in ("float16", "bfloat16")]
+    for entry in tuning.table()["entries"]:
+        if entry["family"] == Family.SM90_SPARSE24.value:
+            specs += [KernelSpec(**dict(entry["spec"], dtype=name)) for name in ("float16", "bfloat16")]
+    for name in ("float16", "bfloat16"):
+        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name))]
+        for n, k in SHAPES:
+            specs += [launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, getattr(torch, name), n, k)]
     return list(dict.fromkeys(specs))
 
 

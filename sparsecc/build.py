@@ -1,7 +1,8 @@
 """Compile generated kernels with nvcc into a content-addressed cache (DESIGN principle 7).
 
-- The key is sha256 over the rendered source, the compiler's version, the full flags, the
-  architecture, the CUTLASS version, sparsecc's templates and this cache's layout version.
+- The key is sha256 over the rendered source (which is all a template contributes: adding or
+  changing one template leaves the others' kernels cached), the compiler's version, the full
+  flags, the architecture, the CUTLASS version and this cache's layout version.
 - An entry is built in a private staging directory and published with one atomic rename;
   a lock per key makes concurrent builders of the same kernel wait for one build.
 - The cache directory is created 0700; one another user can write is not trusted: sparsecc
@@ -29,13 +30,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .codegen import KernelSpec, render, templates_digest
+from .codegen import KernelSpec, render
 from .config import settings
 from .errors import KernelBuildError
 
 log = logging.getLogger("sparsecc")
 
-CACHE_LAYOUT = 1
+CACHE_LAYOUT = 2
 _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_80": "-gencode=arch=compute_80,code=sm_80"}
 
 
@@ -89,7 +90,7 @@ def cache_key(spec: KernelSpec, source: str, tools: Toolchain) -> str:
     flags = nvcc_command(spec, tools, Path("kernel.cu"), Path("kernel.so"))[1:]
     flags = [{str(tools.cutlass_include): "<cutlass>", str(tools.util_include): "<cutlass-util>"}.get(f, f) for f in flags]
     material = {"layout": CACHE_LAYOUT, "source": source, "flags": flags, "arch": spec.arch,
-                "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version, "templates": templates_digest()}
+                "nvcc": tools.nvcc_version, "cutlass": tools.cutlass_version}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 

@@ -27,6 +27,7 @@ class Family(str, enum.Enum):
     SM90_COMPRESS24 = "compress_sm90_sparse24"
     SM80_SPARSE24 = "gemm_sm80_sparse24"
     SM80_DENSE = "gemm_sm80_dense"
+    GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
 
     @property
     def arch(self) -> str:
@@ -35,6 +36,11 @@ class Family(str, enum.Enum):
     @property
     def sparse(self) -> bool:
         return "sparse24" in self.value
+
+    @property
+    def gemv(self) -> bool:
+        """A memory-bound small-batch kernel (tile = warps, rows per warp, rows of x)."""
+        return self.value.startswith("gemv")
 
 
 class Schedule(str, enum.Enum):
@@ -63,11 +69,13 @@ TILES = {
     Family.SM90_COMPRESS24: {(128, 128, 128)},
     Family.SM80_SPARSE24: {(128, 128, 64), (128, 64, 64), (64, 128, 64)},
     Family.SM80_DENSE: {(128, 128, 32), (128, 64, 32), (64, 128, 32)},
+    # (warps per block, output features per warp, rows of x per block)
+    Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
 }
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
-                Family.SM80_DENSE: (128, 128, 32)}
+                Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
@@ -101,7 +109,11 @@ class KernelSpec:
             raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
         if self.scheduler is Scheduler.STREAMK and (self.schedule is not Schedule.COOPERATIVE or self.arch != "sm_90a"):
             raise InputError("the stream-K scheduler needs an sm_90a family and the cooperative schedule")
-        if self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a":
+        if self.family.gemv and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
+                                 or self.x_transposed or self.transpose_out):
+            raise InputError("gemv kernels take no cluster, scheduler or operand-layout options")
+        if (self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a"
+                and not self.family.gemv):
             raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
         if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
             raise InputError("x_transposed and transpose_out are booleans")
@@ -134,6 +146,9 @@ class KernelSpec:
         """A C identifier that spells the whole configuration out."""
         if self.family is Family.SM90_COMPRESS24:
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}"
+        if self.family.gemv:
+            w, r, m = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_r{r}_m{m}"
         if self.arch == "sm_80":
             layouts = f"b{'row' if self.x_transposed else 'col'}_d{'row' if self.transpose_out else 'col'}"
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}_t{'x'.join(map(str, self.tile))}"

@@ -19,7 +19,7 @@ from .cost import DEFAULT_M, CostModel, time_site
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
-from .gpu import CutlassSparse24Weight
+from .gpu import GEMV_MAX_M, Sparse24GemvWeight, pack_24_for
 from .passes import find_linear, fuse_epilogue, splice
 from .plan import Candidate, Plan, SitePlan
 from .site import LinearSite
@@ -213,7 +213,11 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
     if on_kernel:
         try:
-            return CutlassSparse24Weight.from_dense(site.weight, progress=True)
+            packed = pack_24_for(site.weight, site.m, progress=True)
+            if isinstance(packed, Sparse24GemvWeight):
+                plan[site.name].reason += (f"; batch {site.m} <= {GEMV_MAX_M}: the memory-bound small-batch "
+                                           "kernel (larger batches run on it too, slower than on the GEMMs)")
+            return packed
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":
                 raise

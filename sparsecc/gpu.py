@@ -93,27 +93,42 @@ _DEFAULT_TABLE = {
 }
 
 
+#: the small-batch (gemv) kernels: M buckets and their default tiles (warps, rows per warp,
+#: rows of x); rows of x beyond the last bucket run in blocks of its size
+GEMV_BUCKETS = ((1, 1), (4, 4), (16, 16), (0, 16))
+_DEFAULT_TABLE[Family.GEMV_SM90_SPARSE24] = {1: dict(tile=(4, 2, 1)), 4: dict(tile=(4, 2, 4)),
+                                             16: dict(tile=(4, 2, 16)), 0: dict(tile=(4, 2, 16))}
+
+#: the largest batch the plan runs a 2:4 site with the gemv kernels at: the CUTLASS GEMMs
+#: take over above. Measured on an H100 (benchmarks/decode.py): at M=1 the gemv kernels are
+#: 1.2-2.1x faster than cuBLAS and the GEMMs 0.7-1.5x; at M=4 the GEMMs win
+GEMV_MAX_M = 1
+
+
 def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features: int) -> list[tuple[int, Launch]]:
     """The launch to use per M bucket for a weight of this shape: the measured best at the
     nearest measured shape (sparsecc/tuning.json), or the defaults above."""
     from .tuning import best_launch
     name = str(dtype).replace("torch.", "")
     table = []
-    for bound, m in M_BUCKETS:
+    for bound, m in (GEMV_BUCKETS if family.gemv else M_BUCKETS):
         launch = best_launch(family, name, m, out_features, in_features)
         table.append((bound, launch or Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))))
     return table
 
 
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
-    """Every kernel a plan's CUDA sites need, per architecture: for sm_90a the 2:4 compressor
-    and each M bucket's tiling of every 2:4 site the kernels take; for sm_80 the family's
-    default kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
+    """Every kernel a plan's CUDA sites need, per architecture: for sm_90a each M bucket's
+    kernel of every 2:4 site the kernels take (the small-batch kernels for a site planned at
+    M <= GEMV_MAX_M, else the 2:4 compressor and the GEMMs); for sm_80 the family's default
+    kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
     specs: list[KernelSpec] = []
     for site in plan:
         if site.choice != str(NM_2_4) or shape_supported(*site.shape, getattr(torch, site.dtype, None)):
             continue
-        if "sm_90a" in archs:
+        if "sm_90a" in archs and site.m is not None and site.m <= GEMV_MAX_M:
+            specs += [launch.spec for _, launch in dispatch(Family.GEMV_SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
+        elif "sm_90a" in archs:
             specs.append(KernelSpec(Family.SM90_COMPRESS24, site.dtype))
             specs += [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
         if "sm_80" in archs:
@@ -169,6 +184,97 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
         return (f"the kernels need K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0 "
                 f"(this weight is {out_features}x{in_features})")
     return None
+
+
+def gemv_candidates(dtype: torch.dtype) -> list[Launch]:
+    """The small-batch tilings benchmarks/decode.py measures."""
+    name = str(dtype).replace("torch.", "")
+    return [Launch(KernelSpec(Family.GEMV_SM90_SPARSE24, name, tile=(w, r, m)))
+            for m in (1, 4, 16) for w, r in ((4, 1), (4, 2), (8, 1), (8, 2), (4, 4))]
+
+
+@dataclass
+class Sparse24GemvWeight(PackedWeight):
+    """A 2:4 weight in the layout of the small-batch kernels (templates/gemv_sm90_sparse24):
+    ``values`` [N, K/2] (the two kept entries of each group of four, in order) and
+    ``indices`` [N, K/16] (16 bits per four groups: each group's two positions, 2 bits each).
+    Runs on ``sparsecc::linear_kernel`` like the CUTLASS layout, with a gemv dispatch table."""
+
+    values: torch.Tensor
+    metadata: torch.Tensor     # the indices (int16 holding uint16 bits)
+    out_features: int
+    in_features: int
+    kernels: str = ""
+
+    spec = NM_2_4
+    op = None   # sparsecc::linear_kernel, set at the end of this module
+
+    @property
+    def extra_args(self) -> tuple:
+        return (self.kernels,)
+
+    @property
+    def shape(self):  # type: ignore[override]
+        return (self.out_features, self.in_features)
+
+    def tensors(self):
+        return {"values": self.values, "metadata": self.metadata}
+
+    def scalars(self):
+        return {"out_features": self.out_features, "in_features": self.in_features}
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "Sparse24GemvWeight":
+        """The layout alone (any device): exact for a weight with at most two non-zeros per
+        group of four along K."""
+        n, k = weight.shape
+        if k % K_MULTIPLE:
+            raise InputError(f"the gemv layout needs K % {K_MULTIPLE} == 0 (this weight is {n}x{k})")
+        groups = weight.detach().reshape(n, k // 4, 4)
+        nonzero = groups != 0
+        if (nonzero.sum(-1) > 2).any():
+            raise InputError("the weight is not 2:4: some group of four along K has more than two non-zeros")
+        # keep the non-zeros, then the lowest positions, so every group has exactly two entries
+        preference = nonzero.to(torch.int8) * 4 + torch.arange(3, -1, -1, dtype=torch.int8, device=weight.device)
+        positions = preference.topk(2, dim=-1).indices.sort(dim=-1).values
+        values = groups.gather(-1, positions).reshape(n, k // 2).contiguous()
+        codes = (positions[..., 0] | (positions[..., 1] << 2)).reshape(n, k // 16, 4).to(torch.int32)
+        bits = sum(codes[..., g] << (4 * g) for g in range(4))
+        indices = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).contiguous()
+        return cls(values, indices, n, k)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "Sparse24GemvWeight":
+        """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
+        if weight.device.type != "cuda":
+            raise InputError("the gemv kernels run on the GPU: move the weight to CUDA first")
+        reason = shape_supported(*weight.shape, weight.dtype)
+        if reason:
+            raise InputError(reason)
+        packed = cls.pack(weight)
+        table = dispatch(Family.GEMV_SM90_SPARSE24, weight.dtype, *weight.shape)
+        runtime.ensure([launch.spec for _, launch in table], progress=progress)
+        packed.kernels = dispatch_string(table)
+        return packed
+
+    def to_dense(self) -> torch.Tensor:
+        """Unpack exactly (torch ops: every value goes back to its position)."""
+        n, k = self.out_features, self.in_features
+        bits = self.metadata.to(torch.int32) & 0xFFFF
+        codes = torch.stack([(bits >> (4 * g)) & 0xF for g in range(4)], dim=-1).reshape(n, k // 4)
+        positions = torch.stack([codes & 3, codes >> 2], dim=-1).long()
+        dense = self.values.new_zeros(n, k // 4, 4)
+        dense.scatter_(-1, positions, self.values.reshape(n, k // 4, 2))
+        return dense.reshape(n, k)
+
+
+def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
+    """The 2:4 layout for a site that runs with ``m`` rows: the small-batch kernels up to
+    :data:`GEMV_MAX_M` (memory-bound: they read 9/16 of the dense bytes), the CUTLASS GEMMs
+    above. Either serves every batch size; each is fastest in its own range."""
+    if m is not None and m <= GEMV_MAX_M:
+        return Sparse24GemvWeight.from_dense(weight, progress=progress)
+    return CutlassSparse24Weight.from_dense(weight, progress=progress)
 
 
 @dataclass
@@ -310,4 +416,4 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     return x.new_empty(shape)
 
 
-CutlassSparse24Weight.op = linear_kernel
+CutlassSparse24Weight.op = Sparse24GemvWeight.op = linear_kernel

@@ -111,13 +111,16 @@ def _pruned_model(dtype=torch.float16):
     return model.to(dtype), torch.randn(4, 256, dtype=dtype)
 
 
-def test_plan_kernels_cover_every_2_4_site_the_kernels_take():
+@pytest.mark.parametrize("rows, expected", [
+    (64, {Family.SM90_COMPRESS24, Family.SM90_SPARSE24, Family.SM80_SPARSE24}),
+    (1, {Family.GEMV_SM90_SPARSE24, Family.SM80_SPARSE24}),       # decode: the gemv kernels
+])
+def test_plan_kernels_cover_every_2_4_site_the_kernels_take(rows, expected):
     from sparsecc import plan
-    model, x = _pruned_model()
-    the_plan = plan(model, x, formats=("2:4",))
+    model, _ = _pruned_model()
+    the_plan = plan(model, torch.randn(rows, 256, dtype=torch.float16), formats=("2:4",))
     specs = plan_kernels(the_plan, archs=("sm_90a", "sm_80"))
-    families = {s.family for s in specs}
-    assert families == {Family.SM90_COMPRESS24, Family.SM90_SPARSE24, Family.SM80_SPARSE24}
+    assert {s.family for s in specs} == expected
     assert all(s.dtype == "float16" for s in specs)
     dense_only = Plan.from_json(the_plan.to_json())
     for site in dense_only:
@@ -133,7 +136,7 @@ def test_generate_command_from_a_model_and_from_a_plan(fake_nvcc, tmp_path, caps
     assert main(["generate", f"{script}:build", "--arch", "sm_90a", "--out", str(tmp_path / "a")]) == 0
     first = KernelDirectory(tmp_path / "a")
     symbols = {k["symbol"] for k in first.manifest["kernels"]}
-    assert any(s.startswith("sparsecc_gemm_sm90_sparse24_f16") for s in symbols)
+    assert any(s.startswith("sparsecc_gemm_sm90_sparse24_f16") for s in symbols)      # batch 4
     capsys.readouterr()
     assert main(["plan", f"{script}:build", "--dtype", "float16", "--device", "cpu", "--formats", "2:4", "--json"]) == 0
     (tmp_path / "plan.json").write_text(capsys.readouterr().out)

@@ -1,0 +1,138 @@
+"""Small batches (decode), linear + bias + ReLU on the GPU, side by side in one process:
+
+- ``cublas``: torch ``F.linear`` then ``relu`` (the baseline),
+- ``sparsecc-gemm``: sparsecc's 2:4 CUTLASS GEMM with its M dispatch table,
+- ``sparsecc-config`` rows: every tiling of the small-batch 2:4 kernel (templates/gemv_sm90_sparse24),
+- ``sparsecc``: the small-batch 2:4 kernel with the best tiling of this run, through the op.
+
+M in {1, 4, 16}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
+under CUDA-graph replay, ``us_eager`` called eagerly. The device's copy bandwidth is measured
+first (``copy_gbps``: a 1 GiB device-to-device copy, read + write bytes over time); rows of the
+small-batch kernel carry ``gbps`` (the bytes they must read and write over ``us``) and
+``of_copy`` (that over the copy bandwidth). ``--tuning-out`` writes the packaged tuning table
+with this run's small-batch winners added.
+
+    python benchmarks/decode.py [--quick] [--tuning-out sparsecc/tuning.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from kernels import SHAPES, two_four  # noqa: E402
+
+from sparsecc import gpu, runtime, tuning  # noqa: E402
+from sparsecc.codegen import Family  # noqa: E402
+
+MS = [1, 4, 16]
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_graph_us(lambda: dst.copy_(src), calls=2)
+    return 2 * src.numel() * 2 / us / 1e3
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes")
+    parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
+    parser.add_argument("--tuning-out", help="write the tuning table with the small-batch winners here")
+    args = parser.parse_args(argv)
+    shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
+    result = environment("decode")
+    result["copy_gbps"] = round(copy_bandwidth_gbps(), 1)
+    print(f"copy bandwidth {result['copy_gbps']} GB/s", flush=True)
+    runtime.ensure([launch.spec for name in args.dtypes for launch in gpu.gemv_candidates(getattr(torch, name))])
+    gen = torch.Generator().manual_seed(0)
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for n, k in shapes:
+            w = two_four(n, k, dtype, gen)
+            bias = torch.randn(n, dtype=dtype, device="cuda")
+            gemm = gpu.CutlassSparse24Weight.from_dense(w, progress=False)
+            small = gpu.Sparse24GemvWeight.pack(w)
+            for m in MS:
+                x = torch.randn(m, k, dtype=dtype, device="cuda")
+                ref = torch.relu(x.float() @ w.float().t() + bias.float())
+                common = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "density": 0.5, "block": None}
+                moved = small.nbytes + x.numel() * 2 + m * n * 2
+
+                def add(impl, fn, fmt="2:4", graph_only=False, **extra):
+                    out = fn()
+                    row = {"impl": impl, "format": fmt, **common, "us": time_graph_us(fn),
+                           "us_eager": None if graph_only else time_eager_us(fn), "rel_err": rel_err(out, ref), **extra}
+                    result["rows"].append(row)
+                    return row
+
+                base = add("cublas", lambda: torch.relu(F.linear(x, w, bias)), fmt="dense")
+                add("sparsecc-gemm", lambda: gpu.linear_kernel(x, gemm.values, gemm.metadata, n, k, bias, "relu",
+                                                               False, False, gemm.kernels))
+                best = None
+                for launch in gpu.gemv_candidates(dtype):
+                    table = gpu.dispatch_string([(0, launch)])
+                    row = add("sparsecc-config", lambda: gpu.linear_kernel(x, small.values, small.metadata, n, k, bias,
+                                                                           "relu", False, False, table),
+                              graph_only=True, config=launch.label,
+                              launch={"spec": json.loads(launch.spec.describe()), "swizzle": 1, "splits": 1})
+                    if best is None or row["us"] < best[1]["us"]:
+                        best = (table, row)
+                table = best[0]
+                gbps = moved / best[1]["us"] / 1e3
+                row = add("sparsecc", lambda: gpu.linear_kernel(x, small.values, small.metadata, n, k, bias, "relu",
+                                                                False, False, table),
+                          config=best[1]["config"], gbps=round(gbps, 1), of_copy=round(gbps / result["copy_gbps"], 3))
+                print(f"{name} M={m:2d} {n:5d}x{k:5d}: cublas {base['us']:6.1f} us, gemm "
+                      f"{result['rows'][-2 - len(gpu.gemv_candidates(dtype))]['us']:6.1f} us, small-batch "
+                      f"{row['us']:6.1f} us ({best[1]['config']}, {gbps:.0f} GB/s = {row['of_copy']:.0%} of copy): "
+                      f"{base['us'] / row['us']:.2f}x over cuBLAS (eager {base['us_eager'] / row['us_eager']:.2f}x)",
+                      flush=True)
+        path = write(result)
+    if args.tuning_out:
+        kept = [e for e in tuning.table()["entries"] if e["family"] != Family.GEMV_SM90_SPARSE24.value]
+        winners = tuning.winners(result["rows"])
+        with open(args.tuning_out, "w") as handle:
+            json.dump({**tuning.table(), "entries": kept + winners}, handle, indent=1)
+        print(f"wrote {len(winners)} small-batch entries to {args.tuning_out}")
+    plot(result, path.with_suffix(".png"))
+    print("wrote", path)
+    return result
+
+
+def plot(result: dict, path) -> None:
+    """Speedup over cuBLAS per shape and M, for the GEMM and the small-batch kernel."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    dtypes = list(dict.fromkeys(r["dtype"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), sharey=True, squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        rows = [r for r in result["rows"] if r["dtype"] == dtype]
+        points = sorted({(r["N"], r["K"], r["M"]) for r in rows})
+        labels = [f"{n}x{k}\nM={m}" for n, k, m in points]
+        for offset, impl in ((-0.2, "sparsecc-gemm"), (0.2, "sparsecc")):
+            speedups = []
+            for n, k, m in points:
+                times = {r["impl"]: r["us"] for r in rows if (r["N"], r["K"], r["M"]) == (n, k, m)}
+                speedups.append(times["cublas"] / times[impl])
+            ax.bar([i + offset for i in range(len(points))], speedups, 0.4,
+                   label={"sparsecc": "sparsecc small-batch 2:4", "sparsecc-gemm": "sparsecc 2:4 GEMM"}[impl])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(points)), labels, fontsize=6)
+        ax.set_title(f"{dtype}: speedup over cuBLAS (graph replay)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}, copy {result['copy_gbps']} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

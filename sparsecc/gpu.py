@@ -194,20 +194,18 @@ def gemv_candidates(dtype: torch.dtype) -> list[Launch]:
 
 
 @dataclass
-class Sparse24GemvWeight(PackedWeight):
-    """A 2:4 weight in the layout of the small-batch kernels (templates/gemv_sm90_sparse24):
-    ``values`` [N, K/2] (the two kept entries of each group of four, in order) and
-    ``indices`` [N, K/16] (16 bits per four groups: each group's two positions, 2 bits each).
-    Runs on ``sparsecc::linear_kernel`` like the CUTLASS layout, with a gemv dispatch table."""
+class _Sparse24KernelWeight(PackedWeight):
+    """A 2:4 weight packed for sparsecc's kernels: two arrays in a kernel family's layout and
+    the dispatch table the op runs (``sparsecc::linear_kernel``)."""
 
     values: torch.Tensor
-    metadata: torch.Tensor     # the indices (int16 holding uint16 bits)
+    metadata: torch.Tensor
     out_features: int
     in_features: int
-    kernels: str = ""
+    kernels: str = ""         # the dispatch table the op runs
 
     spec = NM_2_4
-    op = None   # sparsecc::linear_kernel, set at the end of this module
+    op = None   # sparsecc::linear_kernel, set at the end of this module once the op exists
 
     @property
     def extra_args(self) -> tuple:
@@ -222,6 +220,22 @@ class Sparse24GemvWeight(PackedWeight):
 
     def scalars(self):
         return {"out_features": self.out_features, "in_features": self.in_features}
+
+    @staticmethod
+    def _check(weight: torch.Tensor) -> None:
+        if weight.device.type != "cuda":
+            raise InputError("sparsecc's 2:4 kernels run on the GPU: move the weight to CUDA first")
+        reason = shape_supported(*weight.shape, weight.dtype)
+        if reason:
+            raise InputError(reason)
+
+
+@dataclass
+class Sparse24GemvWeight(_Sparse24KernelWeight):
+    """A 2:4 weight in the layout of the small-batch kernels (templates/gemv_sm90_sparse24):
+    ``values`` [N, K/2] (the two kept entries of each group of four, in order) and
+    ``metadata`` [N, K/16] int16 holding 16 bits per four groups (each group's two positions,
+    2 bits each)."""
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24GemvWeight":
@@ -246,11 +260,7 @@ class Sparse24GemvWeight(PackedWeight):
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "Sparse24GemvWeight":
         """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
-        if weight.device.type != "cuda":
-            raise InputError("the gemv kernels run on the GPU: move the weight to CUDA first")
-        reason = shape_supported(*weight.shape, weight.dtype)
-        if reason:
-            raise InputError(reason)
+        cls._check(weight)
         packed = cls.pack(weight)
         table = dispatch(Family.GEMV_SM90_SPARSE24, weight.dtype, *weight.shape)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
@@ -278,34 +288,14 @@ def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
 
 
 @dataclass
-class CutlassSparse24Weight(PackedWeight):
-    """A 2:4 weight in the layout the sm90 kernels read: compressed values and metadata."""
-
-    values: torch.Tensor      # compressed values, flat, the weight's dtype
-    metadata: torch.Tensor    # uint8, flat
-    out_features: int
-    in_features: int
-    kernels: str = ""         # the dispatch table the op runs
-
-    spec = NM_2_4
-    op = None   # sparsecc::linear_kernel, set at the end of this module once the op exists
-
-    @property
-    def extra_args(self) -> tuple:
-        return (self.kernels,)
-
-    @property
-    def shape(self):  # type: ignore[override]
-        return (self.out_features, self.in_features)
+class CutlassSparse24Weight(_Sparse24KernelWeight):
+    """A 2:4 weight in the layout the sm90 GEMMs read: compressed values and metadata, as
+    CUTLASS's compressor writes them."""
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CutlassSparse24Weight":
         """Compress ``weight`` (a 2:4 [N, K] CUDA tensor) with CUTLASS's compressor kernel."""
-        if weight.device.type != "cuda":
-            raise InputError("CUTLASS 2:4 packing runs on the GPU: move the weight to CUDA first")
-        reason = shape_supported(*weight.shape, weight.dtype)
-        if reason:
-            raise InputError(reason)
+        cls._check(weight)
         compressor = runtime.ensure([KernelSpec(Family.SM90_COMPRESS24, str(weight.dtype).replace("torch.", ""))],
                                     progress=progress)
         kernel = next(iter(compressor.values()))
@@ -320,12 +310,6 @@ class CutlassSparse24Weight(PackedWeight):
         table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         return cls(values, metadata, n, k, dispatch_string(table))
-
-    def tensors(self):
-        return {"values": self.values, "metadata": self.metadata}
-
-    def scalars(self):
-        return {"out_features": self.out_features, "in_features": self.in_features}
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly by running the kernel on an identity: I @ W^T = W^T (fp32 accumulation
@@ -416,4 +400,4 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     return x.new_empty(shape)
 
 
-CutlassSparse24Weight.op = Sparse24GemvWeight.op = linear_kernel
+_Sparse24KernelWeight.op = linear_kernel

@@ -11,8 +11,9 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
 fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null).
 Rows carry ``model`` and ``impl`` and ``rel_err`` against the eager output. ``impl``:
 eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
-inductor-graphs (``mode="reduce-overhead"``) and sparsecc-graphs (the sparsecc backend with
-``cudagraphs=True``), where host overhead is gone on both sides.
+inductor-graphs (``torch.compile(model, mode="reduce-overhead")``) and sparsecc-graphs
+(``torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")``), where host
+overhead is gone on both sides.
 
     python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...]
     python benchmarks/e2e.py --plot results/e2e-<gpu>-<date>.json     # redraw a results file's plot
@@ -29,7 +30,6 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import RESULTS, environment, rel_err, time_eager_us, write  # noqa: E402
 
 import sparsecc  # noqa: E402
-from sparsecc.backend import make_backend  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 CASES = {
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
             impls = {"eager": lambda: model, "inductor": lambda: torch.compile(model),
                      "sparsecc": lambda: torch.compile(model, backend="sparsecc"),
                      "inductor-graphs": lambda: torch.compile(model, mode="reduce-overhead"),
-                     "sparsecc-graphs": lambda: torch.compile(model, backend=make_backend(cudagraphs=True))}
+                     "sparsecc-graphs": lambda: torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")}
             for impl, make in impls.items():
                 torch._dynamo.reset()                   # each compiled variant starts from scratch
                 fn = make()

@@ -101,9 +101,11 @@ def _bench(args) -> int:
     """Time the eager model and the compiled one on the example inputs."""
     from torch.utils.benchmark import Timer
     from .compiler import compile as compile_model
+    from .tracing import normalize_inputs
     model, inputs = _prepared(args)
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels)
-    call = (lambda m: m(**inputs)) if isinstance(inputs, dict) else (lambda m: m(*inputs) if isinstance(inputs, tuple) else m(inputs))
+    args_, kwargs = normalize_inputs(inputs)
+    call = lambda module: module(*args_, **kwargs)  # noqa: E731
     rows = []
     with torch.no_grad():
         for name, module in (("eager", model), ("sparsecc", compiled)):

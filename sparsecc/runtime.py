@@ -107,8 +107,9 @@ def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
     specs = list(specs)
     missing = [s for s in specs if s.symbol not in _REGISTRY]
     to_build = []
+    available = directories() if missing else []
     for spec in missing:
-        directory = next((d for d in directories() if spec in d), None)
+        directory = next((d for d in available if spec in d), None)
         if directory is not None:
             _REGISTRY[spec.symbol] = Kernel(spec, directory.binary(spec))
         else:

@@ -7,24 +7,13 @@ import torch
 import torch.nn as nn
 
 import sparsecc
-from sparsecc import gpu, runtime
+from sparsecc import gpu
 from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import TOLERANCE, rel_error
-from test_gpu_kernels import pytestmark, reference, sparse_weight  # noqa: F401  (the same skip)
+from test_gpu_kernels import pytestmark, reference, run_poisoned, sparse_weight  # noqa: F401  (the same skip)
 
 ODD = (264, 1040)       # N, K: not multiples of any block's rows
-
-
-def run_poisoned(launch, packed, x, bias, activation):
-    kernel = runtime.ensure([launch.spec])[launch.spec]
-    m, n, k = x.shape[0], packed.out_features, packed.in_features
-    y = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
-    kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), x.data_ptr(),
-                bias.data_ptr() if bias is not None else 0, y.data_ptr(), n, m, k, ACTIVATION_CODES[activation],
-                torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    return y
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -36,7 +25,7 @@ def test_every_tiling_at_every_batch_size_up_to_64(dtype):
     for launch in gpu.gemv_candidates(dtype):
         for m in range(1, 65):
             x = x_all[:m]
-            y = run_poisoned(launch, packed, x, bias, "relu")
+            y = run_poisoned(launch, packed.values, packed.metadata, x, bias, packed.out_features, "relu")
             error = rel_error(y, reference(x, w, bias, "relu"))
             assert error < TOLERANCE[dtype], (launch.label, m, error)
 

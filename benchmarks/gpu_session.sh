@@ -4,9 +4,11 @@
 # matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
 # KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
-# (e2e.py, decode.py and kernels.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS are set, possibly empty)
+# (e2e.py, decode.py, kernels.py and cost_model.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS /
+# COST_ARGS are set, possibly empty; HOST=0 skips host_overhead.py)
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
+touch /tmp/session-start      # results written after this are copied to $OUT at the end
 export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=$PWD/.kcache SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
 # what the session carries (benchmarks/README.md): .carry/cutlass.tgz, the CUTLASS headers of the
 # nvidia-cutlass wheel, and .carry/kcache.tgz, a kernel cache built before (optional)
@@ -55,10 +57,11 @@ for spec in (KernelSpec(Family.SM90_SPARSE24, "float16", tile=(256, 64, 128)), K
 PY
 PROBE_PID=$!
 [ "${TESTS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_gpu_*.py} -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -7
+[ "${HOST:-1}" = 1 ] && python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -7
+[ -n "${COST_ARGS+x}" ] && timeout ${COST_TIMEOUT:-400} python3 benchmarks/cost_model.py $COST_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -12
 [ -n "${E2E_ARGS+x}" ] && timeout ${E2E_TIMEOUT:-400} python3 benchmarks/e2e.py $E2E_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
 [ -n "${DECODE_ARGS+x}" ] && timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/decode.py $DECODE_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -40
 [ -n "${BENCH_ARGS+x}" ] && timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py $BENCH_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -25
 wait $PROBE_PID 2>/dev/null; cat /tmp/probe.txt | tee -a "$OUT/session.log"
-cp benchmarks/results/*.json benchmarks/results/*.png sparsecc/tuning*.json "$OUT/" 2>/dev/null
+find benchmarks/results sparsecc -maxdepth 1 -newer /tmp/session-start \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT/" \;
 ls "$OUT"

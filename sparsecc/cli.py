@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import sys
 
@@ -34,6 +33,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--prune", metavar="PATTERN", help="prune first, e.g. 2:4, unstructured@0.1, block64x64@0.1")
     parser.add_argument("--formats", nargs="+", metavar="FORMAT", help="restrict the formats, e.g. 2:4 csr bsr")
+    parser.add_argument("--m-range", nargs=2, type=int, metavar=("LO", "HI"),
+                        help="batch sizes the model will run at (default: the example inputs' M)")
+    parser.add_argument("--objective", choices=("latency", "memory"), default="latency",
+                        help="fastest format, or fewest bytes within 10%% of the fastest")
 
 
 def _prepared(args, default_dtype=None):
@@ -54,7 +57,7 @@ def _prepared(args, default_dtype=None):
 def _plan(args) -> int:
     from .compiler import plan
     model, inputs = _prepared(args)
-    result = plan(model, inputs, formats=args.formats)
+    result = plan(model, inputs, formats=args.formats, m_range=args.m_range, objective=args.objective)
     print(result.to_json() if args.json else result.table())
     return 0
 
@@ -62,7 +65,8 @@ def _plan(args) -> int:
 def _compile(args) -> int:
     from .compiler import compile as compile_model
     model, inputs = _prepared(args)
-    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels)
+    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
+                             objective=args.objective)
     torch.save(compiled, args.out)
     plan = compiled.sparsecc_plan
     print(plan.to_json() if args.json else plan.table())
@@ -103,7 +107,8 @@ def _bench(args) -> int:
     from .compiler import compile as compile_model
     from .tracing import normalize_inputs
     model, inputs = _prepared(args)
-    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels)
+    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
+                             objective=args.objective)
     args_, kwargs = normalize_inputs(inputs)
     call = lambda module: module(*args_, **kwargs)  # noqa: E731
     rows = []
@@ -153,6 +158,22 @@ def _cache(args) -> int:
     return 1 if args.action == "verify" and damaged else 0
 
 
+def _calibrate(args) -> int:
+    from . import calibration
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = calibration.calibrate(device, progress=not args.json)
+    if args.json:
+        print(result.to_json())
+        return 0
+    print(f"calibrated {result.device}: {len(result.measurements)} measurements, saved to "
+          f"{calibration.cache_path(device)}")
+    for name, fit in result.fits.items():
+        print(f"  {name:22s} overhead {fit.overhead_us:8.1f} us  {fit.rate / 1e12:8.3f} Tflop/s  "
+              f"{fit.bandwidth / 1e9:8.1f} GB/s  p={fit.p:.1f}  median error {fit.median_error:.0%} "
+              f"over {fit.points}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sparsecc", description="A compiler that makes sparse PyTorch models fast.")
     top.add_argument("--version", action="version", version=f"sparsecc {__version__}")
@@ -185,6 +206,13 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=1.0, help="measuring time per implementation")
     bench.add_argument("--json", action="store_true", help="print the timings as JSON")
     bench.set_defaults(run=_bench)
+    cal = commands.add_parser("calibrate", help="measure this machine for the cost model (cached per machine)",
+                              description="Time every implementation the cost model chooses between on a small "
+                                          "grid of shapes, fit its numbers and cache them for this GPU (or CPU) "
+                                          "and these torch/CUDA/sparsecc versions. Plans made afterwards use them.")
+    cal.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    cal.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    cal.set_defaults(run=_calibrate)
     cache = commands.add_parser("cache", help="list, verify or clear the compiled-kernel cache")
     cache.add_argument("action", choices=("ls", "verify", "clear"))
     cache.add_argument("--json", action="store_true")

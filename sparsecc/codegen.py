@@ -10,7 +10,7 @@ import enum
 import hashlib
 import importlib.resources
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import jinja2

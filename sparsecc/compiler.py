@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from . import runtime, tracing
 from .analysis import WeightStats, analyze
-from .cost import DEFAULT_M, CostModel, time_site
+from .cost import CostModel, check_m_range, time_site
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
@@ -44,14 +44,16 @@ class _Prepared:
 
 
 def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
-         cost_model: CostModel | None = None) -> Plan:
-    """Decide, per linear site, which exact format runs it, without changing the model."""
-    return _prepare(model, example_inputs, formats, device, cost_model, given_plan=None).plan
+         cost_model: CostModel | None = None, m_range=None, objective: str = "latency") -> Plan:
+    """Decide, per linear site, which exact format runs it, without changing the model
+    (arguments as in :func:`compile`)."""
+    return _prepare(model, example_inputs, formats, device, cost_model, given_plan=None,
+                    m_range=m_range, objective=objective).plan
 
 
 def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str | None = None,
             device=None, cost_model: CostModel | None = None, verify: bool = True,
-            kernels=None) -> nn.Module:
+            kernels=None, m_range=None, objective: str = "latency") -> nn.Module:
     """Return a module that computes what ``model`` computes, with its sparse linear layers
     running in the formats the plan chose.
 
@@ -64,7 +66,12 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         plan: a :class:`Plan` (or its JSON) to replay instead of planning.
         device: where the compiled model runs (default: where the model's parameters are);
             a model elsewhere is copied there.
-        cost_model: a custom cost model.
+        cost_model: a custom cost model (its own objective applies).
+        m_range: ``(lo, hi)``, the batch sizes M the model will run at (e.g. ``(1, 8192)``
+            for decode and prefill); each site is chosen for the whole range, bucket by
+            bucket (see sparsecc.cost). Default: the M of the example inputs.
+        objective: ``"latency"`` (the fastest) or ``"memory"`` (the fewest bytes among the
+            formats predicted within 10% of the fastest).
         verify: run the compiled model on the example inputs and raise if it does not match
             the eager model within :data:`VERIFY_TOLERANCE` (skipped in training mode).
         kernels: a directory made by ``sparsecc generate``: its kernels are loaded (checked
@@ -75,7 +82,8 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
     if kernels is not None:
         runtime.use_kernels(kernels)
-    prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given)
+    prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given,
+                        m_range=m_range, objective=objective)
     decisions = pack_sites(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
     replaced = {}
     for part in prepared.traced.parts:
@@ -90,7 +98,8 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     return compiled
 
 
-def _prepare(model, example_inputs, formats, device, cost_model, given_plan) -> _Prepared:
+def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_range=None,
+             objective="latency") -> _Prepared:
     if not isinstance(model, nn.Module):
         raise InputError(f"sparsecc needs an nn.Module, got {type(model).__name__}")
     allowed = _parse_formats(formats)
@@ -105,11 +114,12 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan) -> 
         sites += find_linear.run(part.gm, prefix=part.path).sites
         fuse_epilogue.run(part.gm)
     stats = analyze_sites(sites, allowed)
-    model_cost = cost_model or CostModel(target)
+    m_range = check_m_range(m_range)
+    model_cost = cost_model or CostModel(target, objective=objective)
     if given_plan is not None:
         the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
     else:
-        the_plan = plan_sites(sites, stats, model_cost, allowed, target, traced.untraced)
+        the_plan = plan_sites(sites, stats, model_cost, allowed, target, traced.untraced, m_range)
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost)
 
 
@@ -148,21 +158,21 @@ def analyze_sites(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
     return stats
 
 
-def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=None) -> Plan:
-    """The cost model's decision for every site."""
-    return Plan([_plan_site(s, stats[s.name], cost_model, allowed) for s in sites], device=str(device),
+def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=None, m_range=None) -> Plan:
+    """The cost model's decision for every site (over ``m_range`` if given)."""
+    return Plan([_plan_site(s, stats[s.name], cost_model, allowed, m_range) for s in sites], device=str(device),
                 untraced=untraced or {})
 
 
-def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed) -> SitePlan:
-    decision = cost_model.decide(stats, site.m, allowed,
+def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed, m_range) -> SitePlan:
+    decision = cost_model.decide(stats, site.m, allowed, m_range=m_range,
                                  measure_site=lambda spec, m: time_site(site.weight, spec, m))
     return _site_plan(site, stats, decision.choice, decision.reason,
                       [Candidate(p.format, round(p.us, 3), p.nbytes, p.measured_us) for p in decision.candidates],
-                      decision.buckets)
+                      decision.buckets, m_range)
 
 
-def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets) -> SitePlan:
+def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets, m_range=None) -> SitePlan:
     element = site.weight.element_size()
     after = next((c.nbytes for c in candidates if c.format == str(choice)), stats.numel * element)
     return SitePlan(
@@ -170,7 +180,8 @@ def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets) -> 
         m=site.m, epilogue=str(site.epilogue), density=round(stats.density, 6), fits=stats.fitting_patterns(),
         block_density={f"{h}x{w}": round(d, 6) for (h, w), d in stats.block_density.items()},
         candidates=candidates, choice=str(choice), reason=reason,
-        bytes_before=stats.numel * element, bytes_after=after, buckets=buckets)
+        bytes_before=stats.numel * element, bytes_after=after, buckets=buckets,
+        m_range=list(m_range) if m_range else None)
 
 
 def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
@@ -188,7 +199,7 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
             raise PlanError(f"the plan runs {site.name} as {choice}, but its weight does not fit {choice} "
                             "exactly (was it changed since the plan was made?)")
         replayed.append(_site_plan(site, stats[site.name], choice, f"replayed from a plan: {entry.reason}",
-                                   entry.candidates, entry.buckets))
+                                   entry.candidates, entry.buckets, entry.m_range))
     return Plan(replayed, device=str(target), untraced=untraced)
 
 
@@ -213,7 +224,8 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
     if on_kernel:
         try:
-            packed = pack_24_for(site.weight, site.m, progress=True)
+            entry = plan[site.name]
+            packed = pack_24_for(site.weight, entry.m_range[1] if entry.m_range else site.m, progress=True)
             if isinstance(packed, Sparse24GemvWeight):
                 plan[site.name].reason += (f"; batch {site.m} <= {GEMV_MAX_M}: the memory-bound small-batch "
                                            "kernel (larger batches run on it too, slower than on the GEMMs)")

@@ -1,75 +1,70 @@
-"""Cost model v0: predicted time of every exact candidate format for a site, and a choice.
+"""Cost model: predicted time of every exact candidate format for a site, per batch range,
+and a choice the plan explains.
 
-The prediction is a roofline per implementation: ``overhead + max(flops / rate, bytes /
-bandwidth)``, with rates for the kernels sparsecc would run on that device (see
-:data:`PROFILES`). The numbers are deliberately conservative for the sparse paths that run
-on torch's own kernels, whose efficiency varies most. On the CPU, a sparse choice is kept only
-after it was measured faster than dense on the site's own shape, so sparsecc never picks CSR
-on a CPU where it would lose.
+A candidate's time is predicted for the implementation that would run it on the device
+(sparsecc's 2:4 GEMM or small-batch kernel, torch's dense, n:m, BSR or CSR paths) from the
+flops and bytes of the work and that implementation's numbers measured on this machine
+(:mod:`sparsecc.calibration`; ``sparsecc calibrate`` measures them, else sparsecc uses the
+ones shipped for the device type). The choice is made per site over the batch sizes the
+user declares -- the M of the example inputs, or ``m_range=(lo, hi)`` split into buckets --
+for one of two objectives:
+
+- ``"latency"``: the format whose worst bucket is closest to that bucket's fastest
+  format; a sparse format must be predicted :data:`DENSE_MARGIN` and :data:`MIN_GAIN_US`
+  faster than dense in every bucket, so a prediction error does not make a model slower
+  than it was.
+- ``"memory"``: the fewest bytes among the formats predicted at most ``max_slowdown``
+  times the fastest in every bucket.
+
+On the CPU, a sparse choice is kept only after it was timed faster than dense on the site's
+own shape: CPU times are noisy (on a shared 2-core machine, predictions of even dense
+products spread by +-30%, see benchmarks/results/cost_model-cpu-*), so the prediction alone
+is not trusted there.
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from . import calibration as calib
 from .analysis import WeightStats
-from .formats import DENSE, NM_2_4, FormatSpec, pack
-from .ops import OP_FOR_KIND
+from .errors import InputError
+from .formats import DENSE, NM_2_4, FormatSpec
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 #: M ranges of a plan's buckets (the last is open-ended)
-BUCKETS = ((1, 16), (17, 128), (129, 1024), (1025, None))
+BUCKETS = ((1, 1), (2, 16), (17, 128), (129, 1024), (1025, None))
 DEFAULT_M = 128
 #: BSR candidates are listed for blocks at most this dense (denser blocks cannot pay)
 BSR_MAX_DENSITY = 0.6
+#: ... and at most this many times the density of the sparsest block shape (a larger block
+#: that stores twice the zeros of a smaller one does not pay)
+BSR_DENSITY_SPREAD = 2.0
 #: CSR is listed for weights at most this dense
 CSR_MAX_DENSITY = 0.5
 #: n:m patterns are listed when n/m is at most this
 NM_MAX_RATIO = 0.5
 #: a measured sparse choice must beat dense by this factor (timings on a busy CPU are noisy)
 MEASURED_MARGIN = 0.9
-#: fraction of the 2x sparse tensor-core rate sparsecc's 2:4 kernel is assumed to reach
-SPARSE24_EFFICIENCY = 0.7
+#: a predicted sparse choice must beat dense by this factor in every bucket: predictions
+#: are within about 25%, and a compiled model must never be slower than the dense one
+DENSE_MARGIN = 0.9
+#: ... and by this many microseconds: below it a kernel's launch latency, not its work, sets
+#: the time, and the model cannot tell two such kernels apart (GPU: kernels of a few us)
+MIN_GAIN_US = {"cuda": 1.5, "cpu": 10.0}
+OBJECTIVES = ("latency", "memory")
 
-
-@dataclass(frozen=True)
-class KernelRate:
-    """One implementation's throughput: useful flop/s, bandwidth it reaches, fixed cost."""
-
-    flops: float
-    bandwidth: float
-    overhead_us: float
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    name: str
-    dense: dict[str, KernelRate]
-    sparse: dict[str, KernelRate]        # "nm" (unpack + dense), "bsr", "csr"
-    measure_sparse_choice: bool = False  # confirm a sparse choice by timing it
-
-
-_CPU = DeviceProfile(
-    name="cpu",
-    dense={"float32": KernelRate(100e9, 20e9, 10.0), "bfloat16": KernelRate(50e9, 20e9, 10.0),
-           "float16": KernelRate(20e9, 20e9, 10.0)},
-    sparse={"nm": KernelRate(100e9, 10e9, 20.0), "bsr": KernelRate(30e9, 10e9, 30.0),
-            "csr": KernelRate(12e9, 10e9, 30.0)},
-    measure_sparse_choice=True,
-)
-_CUDA = DeviceProfile(
-    name="cuda",
-    dense={"float32": KernelRate(50e12, 2.4e12, 6.0), "bfloat16": KernelRate(600e12, 2.4e12, 6.0),
-           "float16": KernelRate(600e12, 2.4e12, 6.0)},
-    # torch's own CUDA sparse paths (cuSPARSE CSR, Triton BSR; n:m unpacks then runs dense):
-    # rates from measurements on an H100 (shared/reference/anchors-hopper.txt).
-    sparse={"nm": KernelRate(600e12, 0.8e12, 12.0), "bsr": KernelRate(120e12, 1.0e12, 450.0),
-            "csr": KernelRate(3e12, 0.5e12, 20.0)},
-)
-PROFILES = {"cpu": _CPU, "cuda": _CUDA}
+#: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
+_FALLBACK_FITS = {
+    "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
+             "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
+             "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0)},
+    "cpu": {"dense": calib.Fit(10.0, 100e9, 20e9, 2.0), "nm-unpack": calib.Fit(20.0, 100e9, 10e9, 1.0),
+            "bsr": calib.Fit(30.0, 30e9, 10e9, 2.0), "bsr-bmm": calib.Fit(60.0, 20e9, 10e9, 1.0),
+            "csr": calib.Fit(30.0, 12e9, 10e9, 2.0)},
+}
 
 
 @dataclass
@@ -105,8 +100,8 @@ def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int) -> in
 
 def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> list[FormatSpec]:
     """Formats that represent the weight exactly: dense always, then the sparse ones listed by
-    default (2:4 and the tightest sparse n:m per group size, BSR blocks at most 60% dense, CSR
-    at most 50% dense) or, with ``allowed``, those the restriction names."""
+    default (2:4 and the tightest sparse n:m per group size, BSR blocks at most 60% dense and
+    at most twice as dense as the sparsest block shape, CSR at most 50% dense) or, with ``allowed``, those the restriction names."""
     found: list[FormatSpec] = [DENSE]
     if allowed is None:
         nm = [NM_2_4]
@@ -115,7 +110,9 @@ def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> li
             if 0 < n and n / m <= NM_MAX_RATIO and n / m < sparsest:
                 nm.append(FormatSpec("nm", n=n, m=m))
                 sparsest = n / m
-        bsr = [FormatSpec("bsr", block=b) for b, d in stats.block_density.items() if d <= BSR_MAX_DENSITY]
+        sparsest_block = min(stats.block_density.values(), default=1.0)
+        bsr = [FormatSpec("bsr", block=b) for b, d in stats.block_density.items()
+               if d <= BSR_MAX_DENSITY and d <= BSR_DENSITY_SPREAD * sparsest_block]
         csr = [FormatSpec("csr")] if stats.density <= CSR_MAX_DENSITY else []
         wanted = nm + bsr + csr
     else:
@@ -131,115 +128,202 @@ def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> li
     return found
 
 
-class CostModel:
-    """Predicts and chooses. ``measure=False`` turns off the CPU confirmation timing (for
-    reproducible plans)."""
+def buckets_for(m_range: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """``(lo, hi, representative M)`` of every bucket that meets ``m_range``, clipped to it;
+    the representative is the bucket's geometric middle."""
+    lo, hi = m_range
+    found = []
+    for b_lo, b_hi in BUCKETS:
+        b_hi = b_hi if b_hi is not None else max(hi, 4 * b_lo)
+        c_lo, c_hi = max(lo, b_lo), min(hi, b_hi)
+        if c_lo <= c_hi:
+            found.append((c_lo, c_hi, round(math.sqrt(c_lo * c_hi))))
+    return found
 
-    def __init__(self, device: torch.device | str = "cpu", *, measure: bool = True,
+
+def check_m_range(m_range) -> tuple[int, int] | None:
+    if m_range is None:
+        return None
+    try:
+        lo, hi = (int(v) for v in m_range)
+    except (TypeError, ValueError):
+        raise InputError(f"m_range must be two integers (lo, hi), got {m_range!r}") from None
+    if not 1 <= lo <= hi:
+        raise InputError(f"m_range=({lo}, {hi}) needs 1 <= lo <= hi")
+    return lo, hi
+
+
+class CostModel:
+    """Predicts and chooses (see the module docstring).
+
+    ``calibration``: "auto" (this machine's, else the packaged one for the device type), a
+    :class:`~sparsecc.calibration.Calibration`, or None (rough built-in numbers).
+    ``measure``: confirm a CPU sparse choice by timing it (None: yes on the CPU).
+    ``objective`` and ``max_slowdown``: see the module docstring.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, measure: bool | None = None,
+                 calibration="auto", objective: str = "latency", max_slowdown: float = 1.1,
                  kernels_unavailable: str | None = "unset"):
         self.device = torch.device(device)
-        self.profile = PROFILES["cuda" if self.device.type == "cuda" else "cpu"]
-        self.measure = measure and self.profile.measure_sparse_choice
+        if objective not in OBJECTIVES:
+            raise InputError(f"objective={objective!r}: use one of {OBJECTIVES}")
+        if not max_slowdown >= 1.0:
+            raise InputError(f"max_slowdown={max_slowdown!r} must be >= 1 (1.1 allows 10% slower than the fastest)")
+        self.objective, self.max_slowdown = objective, float(max_slowdown)
+        self.calibration = calib.for_device(self.device) if calibration == "auto" else calibration
+        self.measure = (True if measure is None else measure) and self.device.type == "cpu"
         if kernels_unavailable == "unset":
             from .gpu import kernels_unavailable as why_not
             kernels_unavailable = why_not(self.device)
         #: why sparsecc's own kernels cannot run here (None: they can)
         self.kernels_unavailable = kernels_unavailable
 
+    @property
+    def source(self) -> str:
+        """Where the numbers come from, for the plan's reasons."""
+        if self.calibration is None:
+            return "built-in estimates (no calibration)"
+        return f"calibration of {self.calibration.device}" + (" (borrowed)" if self.calibration.borrowed else "")
+
     def uses_kernel(self, stats: WeightStats, spec: FormatSpec) -> bool:
         """Whether ``spec`` runs on a generated kernel for this weight (2:4 on Hopper)."""
         from .gpu import shape_supported
-        return (self.kernels_unavailable is None and spec == FormatSpec("nm", n=2, m=4)
+        return (self.kernels_unavailable is None and spec == NM_2_4
                 and shape_supported(*stats.shape, getattr(torch, stats.dtype)) is None)
 
-    def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int) -> float:
-        n_rows, k = stats.shape
-        element = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
-        activation_bytes = (m * k + m * n_rows) * element
+    def runs_on(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None) -> str:
+        """The implementation (calibration.IMPLS) that runs ``spec`` for a site packed for
+        ``planned_m`` rows."""
         if spec.kind == "dense":
-            rate = self.profile.dense.get(stats.dtype, self.profile.dense["float32"])
-            flops = 2.0 * m * n_rows * k
-        else:
-            if self.uses_kernel(stats, spec):     # sparse tensor cores: twice the math, 9/16 the bytes
-                dense_rate = self.profile.dense[stats.dtype]
-                flops = 2.0 * m * n_rows * k / (2 * SPARSE24_EFFICIENCY)
-                nbytes = stats.numel * element * 9 // 16 + activation_bytes
-                return dense_rate.overhead_us + max(flops / dense_rate.flops, nbytes / dense_rate.bandwidth) * 1e6
-            rate = self.profile.sparse[spec.kind]
-            if spec.kind == "nm":     # unpacked to dense on every call, then a dense product
-                unpack_bytes = 3 * stats.numel * element
-                return self.predict_us(stats, DENSE, m) + rate.overhead_us + unpack_bytes / rate.bandwidth * 1e6
-            useful = stats.nnz if spec.kind == "csr" else stats.block_density[spec.block] * stats.numel
-            flops = 2.0 * m * useful
-        nbytes = format_nbytes(stats, spec, element) + activation_bytes
-        return rate.overhead_us + max(flops / rate.flops, nbytes / rate.bandwidth) * 1e6
+            return "dense"
+        if spec.kind == "nm":
+            if not self.uses_kernel(stats, spec):
+                return "nm-unpack"
+            from .gpu import GEMV_MAX_M
+            return "sparse24-gemv" if planned_m is not None and planned_m <= GEMV_MAX_M else "sparse24-gemm"
+        if spec.kind == "bsr":
+            from .ops import _torch_has_bsr_kernel
+            compute = torch.float32 if stats.dtype in ("float16", "bfloat16") else getattr(torch, stats.dtype)
+            return "bsr" if _torch_has_bsr_kernel(self.device, compute, spec.block) else "bsr-bmm"
+        return "csr"
+
+    def workload(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> calib.Workload:
+        """The work of ``spec`` at ``m`` rows, for a site packed for ``planned_m`` rows."""
+        impl = self.runs_on(stats, spec, planned_m if planned_m is not None else m)
+        n_rows, k = stats.shape
+        fields = dict(impl=impl, dtype=stats.dtype, m=m, n=n_rows, k=k, density=round(stats.density, 6))
+        if spec.kind == "nm":
+            fields["density"] = spec.n / spec.m if impl == "nm-unpack" else fields["density"]
+        if spec.kind == "bsr":
+            fields.update(block=spec.block, block_density=round(stats.block_density[spec.block], 6))
+        if impl == "sparse24-gemm" and stats.dtype in ("float16", "bfloat16"):
+            from .codegen import Family
+            from .gpu import kernel_tile
+            fields["tile"] = kernel_tile(Family.SM90_SPARSE24, getattr(torch, stats.dtype), n_rows, k, m)
+        return calib.Workload(**fields)
+
+    def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> float:
+        w = self.workload(stats, spec, m, planned_m)
+        if self.calibration is not None:
+            predicted = self.calibration.predict_us(w)
+            if predicted is not None:
+                return predicted
+        fits = _FALLBACK_FITS["cuda" if self.device.type == "cuda" else "cpu"]
+        return fits.get(w.impl, fits["dense"]).predict_us(*calib.work(w))
 
     def decide(self, stats: WeightStats, m: int | None, allowed: list[FormatSpec] | None,
-               measure_site=None) -> Decision:
-        """Choose a format for one site. ``measure_site(spec, m) -> us`` times a candidate."""
-        m_used = m or DEFAULT_M
+               measure_site=None, m_range: tuple[int, int] | None = None) -> Decision:
+        """Choose a format for one site seen with ``m`` rows (None: not observed), over
+        ``m_range`` if given. ``measure_site(spec, m) -> us`` times a candidate."""
         if stats.dtype not in SUPPORTED_DTYPES:
             return Decision(DENSE, f"dtype {stats.dtype} is not supported (only {', '.join(SUPPORTED_DTYPES)}); "
                                    "stays dense", [])
+        m_range = check_m_range(m_range)
+        m_used = m or DEFAULT_M
+        declared = m_range or (m_used, m_used)
+        planned_m = declared[1]
+        ranges = buckets_for(declared)
+        where = (f"M in {declared[0]}..{declared[1]}" if m_range else
+                 f"M={m_used}" + ("" if m else " (M not observed; assumed)"))
         candidates = exact_candidates(stats, allowed)
         element = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
-        predictions = [Prediction(str(s), self.predict_us(stats, s, m_used), format_nbytes(stats, s, element))
+        times = {s: [self.predict_us(stats, s, rep, planned_m) for _, _, rep in ranges] for s in candidates}
+        at_m = m_used if not m_range else ranges[-1][2]
+        predictions = [Prediction(str(s), self.predict_us(stats, s, at_m, planned_m), format_nbytes(stats, s, element))
                        for s in candidates]
-        buckets = [self._bucket(stats, candidates, lo, hi) for lo, hi in BUCKETS]
-        at = f"at M={m_used}" + ("" if m else " (M not observed; assumed)")
+        best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
+        worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
+        buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
+                   for rep in [self._representative(lo, hi)]]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
-        pool = [(s, p) for s, p in zip(candidates, predictions) if not (forced and s.kind == "dense")]
+        pool = [s for s in candidates if not (forced and s.kind == "dense")]
         if not pool:
             names = ", ".join(str(s) for s in allowed)
             return Decision(DENSE, f"formats=({names}): the weight fits none of them exactly; stays dense",
                             predictions, buckets)
-        spec, best = min(pool, key=lambda sp: sp[1].us)
-        if spec.kind == "nm" and self.device.type == "cuda":
-            at += ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if self.uses_kernel(stats, spec) else
-                   f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}")
+        by_name = {p.format: p for p in predictions}
         if forced:
-            return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; "
-                                  f"{spec} fits exactly (predicted {best.us:.1f} us {at})", predictions, buckets)
-        dense = predictions[0]
-        if spec.kind == "dense":
-            others = ", ".join(f"{p.format} {p.us:.1f}" for p in predictions[1:]) or "no sparse format fits"
-            return Decision(DENSE, f"dense is fastest {at}: {dense.us:.1f} us ({others})", predictions, buckets)
-        if self.measure and measure_site is not None:
-            best.measured_us, dense.measured_us = measure_site(spec, m_used), measure_site(DENSE, m_used)
+            spec = min(pool, key=lambda s: worst_ratio[s])
+            return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; {spec} fits "
+                                  f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})", predictions, buckets)
+        spec, why = self._choose(pool, times, worst_ratio, predictions, ranges)
+        if spec.kind == "nm" and self.device.type == "cuda":
+            why += ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if self.uses_kernel(stats, spec) else
+                    f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}")
+        why = f"{why} at {where} ({self.source})"
+        best, dense = by_name[str(spec)], by_name["dense"]
+        if spec.kind != "dense" and self.measure and measure_site is not None:
+            best.measured_us, dense.measured_us = measure_site(spec, at_m), measure_site(DENSE, at_m)
             if best.measured_us >= MEASURED_MARGIN * dense.measured_us:
                 return Decision(DENSE, f"{spec} was predicted faster but measured slower on {self.device.type} "
-                                       f"{at} ({best.measured_us:.1f} vs dense {dense.measured_us:.1f} us); "
+                                       f"at M={at_m} ({best.measured_us:.1f} vs dense {dense.measured_us:.1f} us); "
                                        "stays dense", predictions, buckets)
-            return Decision(spec, f"{spec} measured faster on {self.device.type} {at}: {best.measured_us:.1f} us "
-                                  f"vs dense {dense.measured_us:.1f} us", predictions, buckets)
-        return Decision(spec, f"{spec} is the fastest exact format {at}: {best.us:.1f} us vs dense "
-                              f"{dense.us:.1f} us", predictions, buckets)
+            why += f"; confirmed by timing: {best.measured_us:.1f} us vs dense {dense.measured_us:.1f} us"
+        return Decision(spec, why, predictions, buckets)
 
-    def _bucket(self, stats, candidates, lo, hi) -> dict:
-        m = lo if hi is None else round(math.sqrt(lo * hi))
-        times = {str(s): round(self.predict_us(stats, s, m), 3) for s in candidates}
-        return {"m_lo": lo, "m_hi": hi, "m": m, "predicted_us": times, "best": min(times, key=times.get)}
+    def _choose(self, pool, times, worst_ratio, predictions, ranges) -> tuple[FormatSpec, str]:
+        """The objective's choice among ``pool`` and the first part of the reason."""
+        dense_times = times[DENSE]
+
+        min_gain = MIN_GAIN_US["cuda" if self.device.type == "cuda" else "cpu"]
+
+        def clears_dense(s):       # in every bucket, far enough ahead of dense to trust the prediction
+            return s.kind == "dense" or all(t <= DENSE_MARGIN * d and d - t >= min_gain
+                                            for t, d in zip(times[s], dense_times))
+
+        def summary(s):
+            return " / ".join(f"{t:.1f}" for t in times[s]) + " us"
+
+        trusted = [s for s in pool if clears_dense(s)]
+        fastest = min(pool, key=lambda s: worst_ratio[s])
+        if self.objective == "memory":
+            nbytes = {p.format: p.nbytes for p in predictions}
+            within = [s for s in pool if worst_ratio[s] <= self.max_slowdown] or [DENSE]
+            spec = min(within, key=lambda s: (nbytes[str(s)], worst_ratio[s]))
+            return spec, (f"{spec} is the smallest ({nbytes[str(spec)]} bytes) of the formats predicted within "
+                          f"{self.max_slowdown:g}x of the fastest: {summary(spec)}")
+        spec = min(trusted, key=lambda s: worst_ratio[s])
+        if spec.kind == "dense":
+            if fastest.kind == "dense":
+                others = ", ".join(f"{s} {summary(s)}" for s in pool if s.kind != "dense") or "no sparse format fits"
+                return spec, f"dense is fastest: {summary(spec)} ({others})"
+            return spec, (f"dense stays: {fastest} is predicted at {summary(fastest)} vs dense {summary(spec)}, "
+                          f"not the {1 - DENSE_MARGIN:.0%} and {min_gain:g} us ahead a sparse choice needs")
+        return spec, f"{spec} is the fastest exact format: {summary(spec)} vs dense {summary(DENSE)}"
+
+    @staticmethod
+    def _representative(lo: int, hi: int | None) -> int:
+        return 4 * lo if hi is None else round(math.sqrt(lo * hi))
+
+    def _bucket(self, stats, candidates, lo, hi, m, planned_m, declared) -> dict:
+        times = {str(s): round(self.predict_us(stats, s, m, planned_m), 3) for s in candidates}
+        inside = declared[0] <= (hi or math.inf) and lo <= declared[1]
+        return {"m_lo": lo, "m_hi": hi, "m": m, "predicted_us": times, "best": min(times, key=times.get),
+                "declared": inside}
 
 
-def time_site(weight: torch.Tensor, spec: FormatSpec, m: int, *, repeats: int = 7,
-              budget_s: float = 0.5) -> float:
-    """Fastest wall time (us) of the site's op for ``spec`` on random inputs with ``m`` rows,
-    over up to ``repeats`` runs within ``budget_s``: the minimum is the least disturbed by
-    other work on the machine."""
-    packed = pack(weight, spec)
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    op = OP_FOR_KIND[spec.kind]
-    args = (x, *packed.tensors().values(), *packed.scalars().values(), None, "none", False, False)
-    with torch.no_grad():
-        op(*args)
-        samples = []
-        deadline = time.perf_counter() + budget_s
-        while len(samples) < repeats and (len(samples) < 2 or time.perf_counter() < deadline):
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            op(*args)
-            if weight.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append((time.perf_counter() - start) * 1e6)
-    return min(samples)
+def time_site(weight: torch.Tensor, spec: FormatSpec, m: int) -> float:
+    """Fastest wall time (us) of the site's op for ``spec`` on random inputs with ``m`` rows."""
+    from .timing import site_runner, time_us
+    return time_us(site_runner(weight, spec, m), weight.device, budget_s=0.5)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
 
 import torch
-from torch import Tensor
 
 from . import runtime
 from .build import toolchain
@@ -115,6 +113,15 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
         launch = best_launch(family, name, m, out_features, in_features)
         table.append((bound, launch or Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))))
     return table
+
+
+def kernel_tile(family: Family, dtype: torch.dtype, out_features: int, in_features: int, m: int) -> tuple[int, int]:
+    """``(rows of W, rows of x)`` per CTA of the launch :func:`dispatch` picks for M rows:
+    what the cost model pads the work to and counts waves of CTAs over the SMs with."""
+    for bound, launch in dispatch(family, dtype, out_features, in_features):
+        if bound == 0 or m <= bound:
+            return launch.spec.tile[0], launch.spec.tile[1]
+    raise SparseccError(f"no launch for M={m}")
 
 
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:

@@ -186,10 +186,10 @@ def _(x, values, indices, n, m, in_features, bias, activation, x_transposed, tra
 
 def _torch_has_bsr_kernel(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> bool:
     """Whether ``bsr @ dense`` has a native torch kernel here (MKL on CPU: fp32/fp64 and
-    square blocks; on CUDA torch has BSR kernels for floating types)."""
-    if device.type == "cpu":
-        return dtype in (torch.float32, torch.float64) and block[0] == block[1]
-    return device.type == "cuda"
+    square blocks; cuSPARSE on CUDA: square blocks)."""
+    if device.type in ("cpu", "cuda"):
+        return block[0] == block[1] and (device.type == "cuda" or dtype in (torch.float32, torch.float64))
+    return False
 
 
 def _bsr_block_products(crow: Tensor, col: Tensor, values: Tensor, out_features: int,

@@ -41,6 +41,7 @@ class SitePlan:
     bytes_before: int
     bytes_after: int
     buckets: list[dict] = field(default_factory=list)
+    m_range: list[int] | None = None    # the declared batch range the choice covers
 
     @property
     def label(self) -> str:

@@ -39,3 +39,22 @@ def test_cache_listing_and_errors(tmp_path, monkeypatch, capsys):
     assert cli.main(["cache", "verify"]) == 0
     result = run("plan", "no-such-model")
     assert result.returncode == 2 and "use one of" in result.stderr
+
+
+def test_plan_over_a_batch_range_for_memory():
+    result = run("plan", "mlp", "--prune", "unstructured@0.05", "--device", "cpu", "--m-range", "1", "64",
+                 "--objective", "memory", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = Plan.from_json(result.stdout)
+    assert all(s.m_range == [1, 64] and "M in 1..64" in s.reason for s in plan)
+    result = run("plan", "mlp", "--device", "cpu", "--m-range", "8", "2")
+    assert result.returncode == 2 and "m_range" in result.stderr
+
+
+def test_calibrate_prints_and_caches(tmp_path, monkeypatch):
+    from sparsecc import calibration as calib
+    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path))
+    probes = [calib.Probe(256, 256, "dense", 1.0, "dense", m, "float32") for m in (1, 16, 128)]
+    monkeypatch.setattr(calib, "calibration_workloads", lambda device: probes)
+    assert cli.main(["calibrate", "--device", "cpu", "--json"]) == 0
+    assert calib.cache_path(torch.device("cpu")).is_file() and not calib.for_device("cpu").borrowed

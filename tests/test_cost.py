@@ -1,8 +1,12 @@
-"""Cost model v0: exact candidates only, honest CPU choices, forced formats, buckets."""
+"""Cost model: exact candidates only, calibrated predictions, choices per batch range for
+latency or memory, honest CPU choices, forced formats, buckets."""
+import pytest
 import torch
 
+from sparsecc import calibration as calib
 from sparsecc.analysis import analyze
 from sparsecc.cost import BUCKETS, CostModel, exact_candidates, format_nbytes
+from sparsecc.errors import InputError
 from sparsecc.formats import FormatSpec, pack
 
 from conftest import block_sparse, n_m, unstructured
@@ -47,7 +51,7 @@ def test_dense_stays_when_sparse_cannot_win(gen):
 def test_cpu_sparse_choice_is_confirmed_by_measurement(gen):
     weight = unstructured(2048, 2048, 0.01, gen)
     stats = analyze(weight)
-    model = CostModel("cpu")
+    model = CostModel("cpu", measure=True)
     timings = []
 
     def fake_measure(spec, m):
@@ -57,7 +61,7 @@ def test_cpu_sparse_choice_is_confirmed_by_measurement(gen):
     decision = model.decide(stats, 256, None, measure_site=fake_measure)
     assert timings and str(decision.choice) == "dense" and "measured slower" in decision.reason
     decision = model.decide(stats, 256, None, measure_site=lambda spec, m: 5.0 if spec.kind == "dense" else 1.0)
-    assert decision.choice.kind != "dense" and "measured faster" in decision.reason
+    assert decision.choice.kind != "dense" and "confirmed by timing" in decision.reason
 
 
 def test_unsupported_dtype_and_buckets(gen):
@@ -70,8 +74,55 @@ def test_unsupported_dtype_and_buckets(gen):
     assert all(b["best"] in b["predicted_us"] for b in decision.buckets)
 
 
-def test_cuda_profile_keeps_torch_fallbacks_dense(gen):
-    """Until sparsecc's own kernels are there, CUDA sparse paths are torch's and lose."""
-    stats = analyze(n_m(4096, 4096, 2, 4, gen))
-    decision = CostModel("cuda", measure=False).decide(stats, 2048, None)
-    assert str(decision.choice) == "dense"
+def _h100(**kwargs):
+    """The cost model with the packaged H100 calibration, as on a Hopper machine."""
+    return CostModel("cuda", measure=False, kernels_unavailable=None, calibration=calib.for_device("cuda"), **kwargs)
+
+
+def test_small_24_matmul_where_24_loses_stays_dense_with_the_reason(gen):
+    stats = analyze(n_m(768, 3072, 2, 4, gen).half())        # measured on the H100: 2:4 loses at M=16
+    decision = _h100().decide(stats, 16, None)
+    assert str(decision.choice) == "dense" and "dense stays" in decision.reason or "dense is fastest" in decision.reason
+    assert "calibration of NVIDIA H100" in decision.reason
+    by_format = {p.format: p.us for p in decision.candidates}
+    assert by_format["2:4"] > 0.9 * by_format["dense"]
+
+
+def test_large_24_matmul_runs_on_the_24_kernel(gen):
+    weight = torch.randn(4096, 4096, generator=gen).half()
+    weight = weight * n_m(4096, 4096, 2, 4, gen).ne(0)
+    decision = _h100().decide(analyze(weight), 2048, None)
+    assert str(decision.choice) == "2:4" and "sparsecc's sm90 2:4 CUTLASS kernel" in decision.reason
+    by_format = {p.format: p.us for p in decision.candidates}
+    assert by_format["2:4"] < 0.9 * by_format["dense"]
+
+
+def test_m_range_is_decided_bucket_by_bucket(gen):
+    stats = analyze(unstructured(256, 256, 0.05, gen))
+    decision = CostModel("cpu", measure=False).decide(stats, 4, None, m_range=(1, 64))
+    assert "M in 1..64" in decision.reason
+    declared = [(b["m_lo"], b["m_hi"]) for b in decision.buckets if b["declared"]]
+    assert declared == [(1, 1), (2, 16), (17, 128)]
+    for bad in [(0, 4), (8, 2), ("a", 3), (1,)]:
+        with pytest.raises(InputError, match="m_range"):
+            CostModel("cpu", measure=False).decide(stats, 4, None, m_range=bad)
+
+
+def test_memory_objective_takes_the_smallest_format_within_the_bound(gen):
+    """With CSR predicted 5% slower than dense, latency keeps dense and memory takes CSR."""
+    stats = analyze(unstructured(512, 512, 0.05, gen))
+    dense_fit = calib.Fit(10.0, 1e11, 2e10, 2.0)
+    dense_us = dense_fit.predict_us(*calib.work(calib.Workload("dense", "float32", 32, 512, 512)))
+    csr_work = calib.work(calib.Workload("csr", "float32", 32, 512, 512, density=stats.density))
+    csr_fit = calib.Fit(1.05 * dense_us - csr_work[0] / 1e15 * 1e6 - csr_work[1] / 1e15 * 1e6, 1e15, 1e15, 1.0)
+    fake = calib.Calibration("k", "test", {"dense/float32": dense_fit, "csr/float32": csr_fit})
+    latency = CostModel("cpu", measure=False, calibration=fake).decide(stats, 32, None)
+    assert str(latency.choice) == "dense"
+    memory = CostModel("cpu", measure=False, calibration=fake, objective="memory").decide(stats, 32, None)
+    assert str(memory.choice) == "csr" and "smallest" in memory.reason
+    strict = CostModel("cpu", measure=False, calibration=fake, objective="memory", max_slowdown=1.01)
+    assert str(strict.decide(stats, 32, None).choice) == "dense"
+    with pytest.raises(InputError, match="objective"):
+        CostModel("cpu", objective="speed")
+    with pytest.raises(InputError, match="max_slowdown"):
+        CostModel("cpu", max_slowdown=0.5)

@@ -1,0 +1,399 @@
+"""How fast each implementation runs on this machine: microbenchmarks, a fitted model, a cache.
+
+The cost model predicts a site's time per implementation (the kernel that actually runs a
+format on a device, see :data:`IMPLS`) from what the work needs -- flops executed (tile
+padding included) and bytes moved -- and a few numbers per implementation that only a
+measurement can give:
+
+    us = overhead + ((flops / rate) ** p + (bytes / bandwidth) ** p) ** (1 / p)
+
+``p`` blends a roofline's max (large p: compute and memory overlap, one kernel) with a sum
+(p = 1: phases that run one after the other, e.g. unpack then multiply). :func:`calibrate`
+times every implementation on a small grid of shapes (:func:`calibration_workloads`), fits
+the four numbers per implementation in log space with torch's LBFGS, and caches the result
+per machine (GPU name or CPU, torch, CUDA and sparsecc versions). :func:`for_device` returns
+the cached calibration, else the one shipped with sparsecc for that kind of device
+(``sparsecc/calibrations/*.json``), marked as borrowed.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import math
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("sparsecc")
+
+#: what runs a format: torch's dense GEMM, sparsecc's 2:4 CUTLASS GEMM and small-batch kernel,
+#: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
+#: no BSR kernel for the dtype or block, sparsecc.ops' batched block products) and CSR product
+IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "csr")
+#: streaming multiprocessors assumed when no GPU is present to ask (an H100 SXM)
+DEFAULT_SMS = 132
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One product ``[m, k] x [k, n]`` on one implementation, with what its cost depends on."""
+
+    impl: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    density: float = 1.0                       # non-zeros / elements of the weight
+    block: tuple[int, int] | None = None       # BSR block (rows, cols)
+    block_density: float | None = None         # stored blocks / all blocks
+    tile: tuple[int, int] | None = None        # (rows of W, rows of x) per CTA of a sparsecc kernel
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown implementation {self.impl!r} (known: {IMPLS})")
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
+    """``(flops, bytes)`` the implementation spends on ``w``: flops as executed (zero blocks
+    skipped, tiles padded), bytes of the weight in its format plus the activations, and the
+    copies torch's sparse paths make (fp32 conversions, the unpacked dense weight)."""
+    e = element_size(w.dtype)
+    m, n, k = w.m, w.n, w.k
+    act = (m * k + m * n) * e
+    if w.impl == "dense":
+        return 2.0 * m * n * k, n * k * e + act
+    if w.impl == "sparse24-gemm":
+        tile_n, tile_m = w.tile or (128, 64)
+        tiles = math.ceil(n / tile_n) * math.ceil(m / tile_m)
+        waves = math.ceil(tiles / sms) * sms / tiles
+        return tiles * tile_n * tile_m * k * waves, n * k * e * 9 / 16 + act     # half the math of dense
+    if w.impl == "sparse24-gemv":
+        return 1.0 * m * n * k, n * k * e * 9 / 16 + act
+    if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
+        kept = n * k * w.density
+        return 2.0 * m * n * k, kept * (e + 1) + 2 * n * k * e + act
+    wide = 4 if e < 4 else e       # torch's sparse products run 16-bit inputs in fp32
+    if w.impl in ("bsr", "bsr-bmm"):
+        h, bw = w.block or (32, 32)
+        stored = (w.block_density if w.block_density is not None else w.density) * n * k
+        blocks = stored / (h * bw)
+        converted = (stored + m * k) * (e + wide) if wide != e else 0
+        gathered = blocks * (h + bw) * m * wide * 2 if w.impl == "bsr-bmm" else 0   # x gathered, products scattered
+        return 2.0 * m * stored, stored * e + blocks * 4 + act + converted + m * n * wide + gathered
+    nnz = w.density * n * k                                               # csr
+    converted = (nnz + m * k) * (e + wide) if wide != e else 0
+    return 2.0 * m * nnz, nnz * (e + 4) + n * 4 + act + converted + m * n * wide
+
+
+@dataclass
+class Fit:
+    """The four numbers of one implementation (see the module docstring)."""
+
+    overhead_us: float
+    rate: float            # flop/s
+    bandwidth: float       # byte/s
+    p: float
+    points: int = 0        # measurements it was fitted on
+    median_error: float = 0.0   # median |predicted / measured - 1| over those
+
+    def predict_us(self, flops: float, nbytes: float) -> float:
+        compute, memory = flops / self.rate * 1e6, nbytes / self.bandwidth * 1e6
+        return self.overhead_us + (compute ** self.p + memory ** self.p) ** (1 / self.p)
+
+
+@dataclass
+class Calibration:
+    """Fitted numbers per implementation and dtype class (``impl/16bit`` or ``impl/float32``)
+    for one machine, the measurements they came from, and whether they were measured here."""
+
+    key: str
+    device: str
+    fits: dict[str, Fit]
+    sms: int = DEFAULT_SMS
+    measurements: list[dict] = field(default_factory=list)
+    borrowed: bool = False
+    version: int = CALIBRATION_VERSION
+
+    def fit_for(self, impl: str, dtype: str) -> Fit | None:
+        return self.fits.get(f"{impl}/{dtype_class(dtype)}")
+
+    def predict_us(self, w: Workload) -> float | None:
+        """Predicted microseconds of ``w``, or None if ``w``'s implementation was not calibrated."""
+        fit = self.fit_for(w.impl, w.dtype)
+        if fit is None:
+            return None
+        return fit.predict_us(*work(w, self.sms))
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("borrowed")
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, borrowed: bool = False) -> "Calibration":
+        data = json.loads(text)
+        if data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"calibration version {data.get('version')!r}, expected {CALIBRATION_VERSION}")
+        data["fits"] = {name: Fit(**fit) for name, fit in data["fits"].items()}
+        return cls(**data, borrowed=borrowed)
+
+
+def dtype_class(dtype: str) -> str:
+    """fp16 and bf16 run the same tensor-core and memory paths; fp32 others."""
+    return "16bit" if dtype in ("float16", "bfloat16") else "float32"
+
+
+# ------------------------------------------------------------------------ the machine key
+
+def machine_key(device: torch.device) -> tuple[str, str]:
+    """``(key, device name)``: what a calibration is valid for."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu-{platform.machine()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+    from . import __version__
+    key = f"{name}|torch {torch.__version__}|cuda {torch.version.cuda}|sparsecc {__version__}"
+    return key, name
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+def cache_path(device: torch.device) -> Path:
+    from .config import settings
+    key, _ = machine_key(device)
+    return settings().cache_dir / "calibration" / f"{_slug(key)}.json"
+
+
+def save(calibration: Calibration, device: torch.device) -> Path:
+    path = cache_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    staging = path.with_suffix(f".tmp{os.getpid()}")
+    staging.write_text(calibration.to_json())
+    staging.replace(path)
+    return path
+
+
+@lru_cache(maxsize=None)
+def _packaged(kind: str) -> Calibration | None:
+    resource = importlib.resources.files("sparsecc") / "calibrations" / f"{kind}.json"
+    if not resource.is_file():
+        return None
+    return Calibration.from_json(resource.read_text(), borrowed=True)
+
+
+def for_device(device: torch.device | str) -> Calibration | None:
+    """This machine's cached calibration, else the packaged one for the device type
+    (``borrowed=True``), else None."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():      # planning for a GPU elsewhere
+        return _packaged("cuda")
+    path = cache_path(device)
+    if path.is_file():
+        try:
+            return Calibration.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError) as error:
+            log.warning("ignoring the unreadable calibration %s (%s); run `sparsecc calibrate`", path, error)
+    return _packaged("cuda" if device.type == "cuda" else "cpu")
+
+
+# ------------------------------------------------------------------------ fitting
+
+def fit(points: list[tuple[float, float, float]]) -> Fit:
+    """Fit overhead, rate, bandwidth and p to ``(flops, bytes, measured us)`` points by least
+    squares on the log of predicted / measured (a relative error, whatever the scale)."""
+    flops = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    nbytes = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    measured = torch.tensor([p[2] for p in points], dtype=torch.float64)
+    # start from a roofline through the fastest points
+    rate0 = float((flops / (measured * 1e-6)).max().clamp_min(1.0))
+    bw0 = float((nbytes / (measured * 1e-6)).max().clamp_min(1.0))
+    c0 = float(measured.min()) * 0.5
+    params = torch.tensor([math.log(max(c0, 0.1)), math.log(rate0), math.log(bw0), 0.0],
+                          dtype=torch.float64, requires_grad=True)
+
+    def predicted(theta):
+        c, rate, bw = theta[0].exp(), theta[1].exp(), theta[2].exp()
+        p = 1 + 7 * torch.sigmoid(theta[3])
+        compute, memory = flops / rate * 1e6, nbytes / bw * 1e6
+        scale = torch.maximum(compute, memory)
+        return c + scale * ((compute / scale) ** p + (memory / scale) ** p) ** (1 / p)
+
+    optimizer = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((predicted(params) / measured).log() ** 2).mean()
+        loss.backward()
+        return loss
+    optimizer.step(closure)
+    with torch.no_grad():
+        errors = (predicted(params) / measured - 1).abs()
+        c, rate, bw, q = params.tolist()
+    return Fit(overhead_us=math.exp(c), rate=math.exp(rate), bandwidth=math.exp(bw),
+               p=1 + 7 / (1 + math.exp(-q)), points=len(points), median_error=float(errors.median()))
+
+
+def fit_measurements(measurements: list[dict], sms: int) -> dict[str, Fit]:
+    """One :class:`Fit` per implementation and dtype class found in ``measurements``."""
+    groups: dict[str, list] = {}
+    for row in measurements:
+        w = workload_from_row(row)
+        groups.setdefault(f"{w.impl}/{dtype_class(w.dtype)}", []).append((*work(w, sms), row["us"]))
+    return {name: fit(points) for name, points in sorted(groups.items())}
+
+
+def workload_from_row(row: dict) -> Workload:
+    fields = {name: row.get(name) for name in Workload.__dataclass_fields__ if row.get(name) is not None}
+    for name in ("block", "tile"):
+        if name in fields:
+            fields[name] = tuple(fields[name])
+    return Workload(**fields)
+
+
+# ------------------------------------------------------------------------ measuring
+
+def random_weight(n: int, k: int, pattern: str, density: float, dtype: torch.dtype, device,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random ``[n, k]`` weight with a sparsity ``pattern``: ``dense``, ``n:m`` (e.g.
+    ``2:4``: the largest n of every m kept), ``block<h>`` or ``block<h>x<w>`` (that fraction of
+    blocks kept) or ``unstructured`` (that fraction of elements kept). Values are normal,
+    never zero where kept."""
+    def uniform(*shape):
+        return torch.rand(*shape, generator=generator, device=generator.device if generator else device)
+
+    values = torch.randn(n, k, generator=generator, device=generator.device if generator else device) * 0.05
+    values = values + values.sign() * 1e-3              # no accidental zeros
+    if pattern == "dense":
+        mask = torch.ones_like(values, dtype=torch.bool)
+    elif match := re.fullmatch(r"(\d+):(\d+)", pattern):
+        keep, group = int(match[1]), int(match[2])
+        grouped = values.abs().reshape(n, k // group, group)
+        order = grouped.argsort(dim=-1, descending=True)
+        mask = torch.zeros_like(grouped, dtype=torch.bool).scatter_(-1, order[..., :keep], True).reshape(n, k)
+    elif match := re.fullmatch(r"block(\d+)(?:x(\d+))?", pattern):
+        h = int(match[1])
+        w = int(match[2] or h)
+        blocks = uniform(n // h, k // w) < density
+        mask = blocks.repeat_interleave(h, 0).repeat_interleave(w, 1)
+    elif pattern == "unstructured":
+        mask = uniform(n, k) < density
+    else:
+        raise ValueError(f"unknown pattern {pattern!r}")
+    return (values * mask).to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One calibration measurement: a weight (shape, pattern, density), a format, a batch."""
+
+    n: int
+    k: int
+    pattern: str
+    density: float
+    format: str
+    m: int
+    dtype: str = "float16"
+
+
+def calibration_workloads(device: torch.device) -> list[Probe]:
+    """The microbenchmarks of one calibration: every implementation the device runs, on
+    shapes and batch sizes that span small and large, memory- and compute-bound."""
+    probes = []
+    if device.type == "cuda":
+        shapes = [(2048, 2048), (8192, 2048), (2048, 8192), (5120, 5120), (1024, 2048)]
+        for n, k in shapes:
+            probes += [Probe(n, k, "dense", 1.0, "dense", m) for m in (1, 8, 64, 512, 4096)]
+            probes += [Probe(n, k, "2:4", 0.5, "2:4", m) for m in (1, 4, 16, 128, 1024, 4096)]
+        for n, k in ((512, 2048), (3072, 1024), (1536, 1536), (4096, 512), (8192, 8192)):   # batch 1
+            probes += [Probe(n, k, "dense", 1.0, "dense", 1), Probe(n, k, "2:4", 0.5, "2:4", 1)]
+        for n, k in shapes[1:3]:
+            probes += [Probe(n, k, "1:4", 0.25, "1:4", m) for m in (1, 256, 4096)]
+        for block in (16, 32, 64):
+            for density in (0.5, 0.1):
+                probes += [Probe(4096, 4096, f"block{block}", density, f"bsr{block}", m) for m in (1, 64, 2048)]
+        for density in (0.5, 0.1):       # non-square blocks: sparsecc.ops' block products
+            probes += [Probe(4096, 4096, "block32x64", density, "bsr32x64", m) for m in (1, 64, 2048)]
+        for density in (0.3, 0.05, 0.01):
+            probes += [Probe(4096, 4096, "unstructured", density, "csr", m) for m in (1, 64, 2048)]
+        for n, k in shapes[:2]:      # float32: torch's paths only
+            probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 512, 4096)]
+        probes += [Probe(4096, 4096, "unstructured", d, "csr", m, "float32") for d in (0.1, 0.01) for m in (1, 512)]
+        probes += [Probe(4096, 4096, "block32", d, "bsr32", m, "float32") for d in (0.5, 0.1) for m in (1, 512)]
+        probes += [Probe(4096, 4096, "1:4", 0.25, "1:4", m, "float32") for m in (1, 512)]
+        return probes
+    shapes = [(256, 1024), (1024, 256), (768, 768), (2048, 2048)]
+    for n, k in shapes:
+        probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 16, 128, 512)]
+        probes += [Probe(n, k, "dense", 1.0, "dense", m, "bfloat16") for m in (1, 128)]
+    for n, k in shapes[:2]:
+        probes += [Probe(n, k, "2:4", 0.5, "2:4", m, dtype) for m in (1, 128) for dtype in ("float32", "bfloat16")]
+    for block in (16, 32, 64):
+        for density in (0.5, 0.1):
+            probes += [Probe(1024, 1024, f"block{block}", density, f"bsr{block}", m, "float32") for m in (1, 128)]
+    for density in (0.5, 0.1):
+        probes += [Probe(1024, 1024, "block32x64", density, "bsr32x64", m, dtype)
+                   for m in (1, 128) for dtype in ("float32", "bfloat16")]
+        probes += [Probe(1024, 1024, "block32", density, "bsr32", m, "bfloat16") for m in (1, 128)]
+    for n, k in ((1024, 1024), (2048, 2048)):
+        probes += [Probe(n, k, "unstructured", d, "csr", m, "float32") for d in (0.3, 0.05, 0.01) for m in (1, 16, 128)]
+    probes += [Probe(1024, 1024, "unstructured", d, "csr", m, "bfloat16") for d in (0.3, 0.02) for m in (1, 128)]
+    return probes
+
+
+def measure(probes: list[Probe], device: torch.device, *, progress: bool = True,
+            description: str = "calibrating") -> list[dict]:
+    """Time each probe (sparsecc.timing) and return one row per probe: the implementation's
+    :class:`Workload` fields plus ``format``, ``pattern`` and measured ``us``."""
+    from tqdm import tqdm
+
+    from .analysis import analyze
+    from .cost import CostModel
+    from .formats import FormatSpec
+    from .timing import site_runner, time_us
+    model = CostModel(device, calibration=None)
+    generator = torch.Generator(device).manual_seed(0)
+    weights: dict[tuple, tuple] = {}
+    rows = []
+    for probe in tqdm(probes, desc=description, disable=not progress, unit="probe"):
+        key = (probe.n, probe.k, probe.pattern, probe.density, probe.dtype)
+        if key not in weights:
+            weight = random_weight(probe.n, probe.k, probe.pattern, probe.density,
+                                   getattr(torch, probe.dtype), device, generator)
+            weights = {key: (weight, analyze(weight))}          # one weight alive at a time
+        weight, stats = weights[key]
+        spec = FormatSpec.parse(probe.format)
+        workload = model.workload(stats, spec, probe.m, planned_m=probe.m)
+        runner = site_runner(weight, spec, probe.m, on_kernel=model.uses_kernel(stats, spec), planned_m=probe.m)
+        try:
+            us = time_us(runner, device)
+        except RuntimeError as error:
+            log.warning("calibration: %s at M=%d failed and is left out: %s", probe, probe.m, error)
+            continue
+        rows.append({**asdict(workload), "format": probe.format, "pattern": probe.pattern, "us": round(us, 3)})
+    return rows
+
+
+def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:
+    """Measure this machine (:func:`calibration_workloads`), fit, cache and return the result."""
+    device = torch.device(device)
+    key, name = machine_key(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    rows = measure(calibration_workloads(device), device, progress=progress)
+    calibration = Calibration(key=key, device=name, fits=fit_measurements(rows, sms), sms=sms, measurements=rows)
+    if save_result:
+        path = save(calibration, device)
+        log.info("calibration of %s saved to %s", name, path)
+    return calibration

@@ -1,0 +1,132 @@
+"""Time one linear site the way a compiled model runs it, on the CPU or the GPU.
+
+What the cost model is calibrated on and what ``benchmarks/cost_model.py`` checks it with:
+both time through :func:`site_runner` and :func:`time_us`, so a prediction and its
+measurement mean the same thing.
+
+- On the CPU: the fastest of several wall-clock runs (the least disturbed by other work).
+- On the GPU: kernel time, the median per call of a CUDA graph of many calls replayed back
+  to back (host overhead removed, as under ``mode="reduce-overhead"``), cycling through
+  enough copies of the weight that it is read from memory, not the L2 cache. An op that cannot be
+  captured (torch's BSR and CSR paths read a value back to the host: see
+  :data:`HOST_SYNCING_KINDS`) is timed eagerly with a synchronisation per call, which is what
+  it costs in a model.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .formats import FormatSpec, pack
+from .ops import OP_FOR_KIND
+
+#: formats whose torch implementation reads a value back to the host on every call (the
+#: non-finite check of sparsecc.ops), so a CUDA graph cannot capture them
+HOST_SYNCING_KINDS = ("bsr", "csr")
+
+
+#: on the GPU, a site's weight is copied until the copies exceed this many bytes and the calls
+#: cycle through them, so a weight is read from memory, not from the 50 MB L2 cache, as in a
+#: model whose layers each read their own weight once
+ROTATE_BYTES = 128 << 20
+MAX_COPIES = 32
+
+
+def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bool = False,
+                planned_m: int | None = None) -> Callable[[], torch.Tensor]:
+    """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows, with
+    ``weight`` packed in ``spec`` as compile would pack it: for sparsecc's 2:4 kernels when
+    ``on_kernel`` (the small-batch layout if ``planned_m`` is 1), else the portable layout.
+    ``run.copies`` is how many weight copies (see :data:`ROTATE_BYTES`) its calls cycle through."""
+    if on_kernel:
+        from .gpu import pack_24_for
+        packed = pack_24_for(weight, planned_m if planned_m is not None else m)
+    else:
+        packed = pack(weight, spec)
+    op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    args = (x, *packed.tensors().values(), *packed.scalars().values(), None, "none", False, False,
+            *getattr(packed, "extra_args", ()))
+    copies = 1
+    if weight.device.type == "cuda":
+        nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // max(nbytes, 1))))
+    sets = [args] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args) for _ in range(copies - 1)]
+    turn = itertools.cycle(sets)
+
+    def run():
+        return op(*next(turn))
+    run.capturable = packed.spec.kind not in HOST_SYNCING_KINDS
+    run.copies = copies
+    run.x = x               # every copy holds the same values
+    return run
+
+
+def time_us(fn: Callable[[], object], device: torch.device | str, *, budget_s: float = 0.05) -> float:
+    """Microseconds per call of ``fn`` on ``device`` (see the module docstring); on the GPU
+    ``fn`` is replayed from a CUDA graph unless it has ``capturable = False``."""
+    device = torch.device(device)
+    with torch.no_grad():
+        if device.type == "cuda":
+            return _time_cuda(fn, budget_s, getattr(fn, "capturable", True))
+        return _time_cpu(fn, budget_s)
+
+
+def _time_cpu(fn, budget_s: float, *, repeats: int = 7) -> float:
+    fn()
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return min(samples)
+
+
+def _events_us(run, calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def _time_cuda(fn, budget_s: float, capturable: bool) -> float:
+    copies = getattr(fn, "copies", 1)
+    for _ in range(copies):
+        fn()
+    torch.cuda.synchronize()
+    once = _events_us(fn, copies)
+    if not capturable:
+        def synced():
+            fn()
+            torch.cuda.synchronize()
+        calls = max(3, min(50, int(budget_s * 1e6 / max(once, 1.0))))
+        return statistics.median(_events_us(synced, 1) for _ in range(calls))
+    # enough calls per graph (a multiple of the weight copies) that a replay outlasts its launch
+    per_graph = copies * max(1, min(64 // copies, -(-300 // max(int(once * copies), 1))))
+    graph = _capture(fn, per_graph)
+    graph.replay()
+    graph_us = _events_us(graph.replay, 1)
+    replays = max(1, min(20, int(2000 / max(graph_us, 1.0))))      # ~2 ms per measurement
+    groups = max(3, min(15, int(budget_s * 1e6 / max(graph_us * replays, 1.0))))
+    return statistics.median(_events_us(graph.replay, replays) for _ in range(groups)) / per_graph
+
+
+def _capture(fn, calls: int):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph

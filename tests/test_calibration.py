@@ -1,0 +1,109 @@
+"""Calibration: the work each implementation does, the fit, the per-machine cache, the
+packaged fallbacks, and a small calibration of this CPU."""
+import math
+
+import pytest
+import torch
+
+from sparsecc import calibration as calib
+from sparsecc.analysis import analyze
+
+
+def test_fit_recovers_the_numbers_it_was_made_from():
+    truth = calib.Fit(overhead_us=7.0, rate=2e12, bandwidth=3e11, p=3.0)
+    gen = torch.Generator().manual_seed(3)
+    points = []
+    for _ in range(40):
+        flops = float(10 ** (6 + 5 * torch.rand(1, generator=gen)))
+        nbytes = float(10 ** (4 + 5 * torch.rand(1, generator=gen)))
+        noise = 1 + 0.02 * float(torch.randn(1, generator=gen))
+        points.append((flops, nbytes, truth.predict_us(flops, nbytes) * noise))
+    fitted = calib.fit(points)
+    assert fitted.points == 40 and fitted.median_error < 0.03
+    for flops, nbytes, _ in points:
+        assert fitted.predict_us(flops, nbytes) == pytest.approx(truth.predict_us(flops, nbytes), rel=0.06)
+
+
+def test_work_counts_what_each_implementation_does():
+    dense = calib.Workload("dense", "float16", 2048, 4096, 4096)
+    flops, nbytes = calib.work(dense)
+    assert flops == 2 * 2048 * 4096 * 4096 and nbytes == (4096 * 4096 + 2 * 2048 * 4096) * 2
+    # a full wave of whole tiles: half of dense's flops, 9/16 of its weight bytes
+    sparse = calib.Workload("sparse24-gemm", "float16", 128 * 12, 128 * 11, 4096, density=0.5, tile=(128, 128))
+    flops, nbytes = calib.work(sparse)
+    assert flops == 128 * 12 * 128 * 11 * 4096 and nbytes == 128 * 11 * 4096 * 2 * 9 / 16 + (128 * 12 * (4096 + 128 * 11)) * 2
+    # one tile more than a wave costs a whole wave
+    ragged = calib.Workload("sparse24-gemm", "float16", 128 * 12, 128 * 11 + 1, 4096, density=0.5, tile=(128, 128))
+    assert calib.work(ragged)[0] == pytest.approx(2 * flops, rel=1e-9)
+    # sparse flops scale with what is stored
+    csr = [calib.work(calib.Workload("csr", "float32", 64, 1024, 1024, density=d))[0] for d in (0.1, 0.2)]
+    assert csr[1] == pytest.approx(2 * csr[0])
+    bsr = calib.work(calib.Workload("bsr", "float32", 64, 1024, 1024, density=0.1, block=(32, 32), block_density=0.25))
+    assert bsr[0] == pytest.approx(2 * 64 * 0.25 * 1024 * 1024)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        calib.Workload("magic", "float16", 1, 1, 1)
+
+
+@pytest.mark.parametrize("pattern,density", [("2:4", 0.5), ("1:8", 0.125), ("block32", 0.25),
+                                             ("block16x64", 0.1), ("unstructured", 0.05), ("dense", 1.0)])
+def test_random_weights_have_their_pattern(pattern, density):
+    gen = torch.Generator().manual_seed(5)
+    weight = calib.random_weight(256, 512, pattern, density, torch.float32, "cpu", gen)
+    stats = analyze(weight)
+    if ":" in pattern:
+        n, m = (int(v) for v in pattern.split(":"))
+        assert stats.nm_min_n[m] == n and stats.density == pytest.approx(n / m)
+    elif pattern.startswith("block"):
+        h, w = (32, 32) if pattern == "block32" else (16, 64)
+        assert stats.block_density[(h, w)] == pytest.approx(stats.density)      # whole blocks kept
+        assert abs(stats.density - density) < 0.06
+    else:
+        assert abs(stats.density - density) < 0.01
+    assert weight.abs().min() == 0 or pattern == "dense"
+    assert (weight[weight != 0].abs() >= 1e-3).all()                             # kept values are not tiny
+
+
+def _calibration(fits, borrowed=False):
+    return calib.Calibration(key="k", device="test", fits=fits, borrowed=borrowed)
+
+
+def test_json_round_trip_and_version_check():
+    original = _calibration({"dense/float32": calib.Fit(10.0, 1e11, 2e10, 2.0, points=3, median_error=0.1)})
+    loaded = calib.Calibration.from_json(original.to_json())
+    assert loaded.fits == original.fits and loaded.key == "k" and not loaded.borrowed
+    w = calib.Workload("dense", "float32", 8, 64, 64)
+    assert loaded.predict_us(w) == pytest.approx(original.fits["dense/float32"].predict_us(*calib.work(w)))
+    assert loaded.predict_us(calib.Workload("csr", "float32", 8, 64, 64, density=0.1)) is None
+    with pytest.raises(ValueError, match="version"):
+        calib.Calibration.from_json(original.to_json().replace('"version": 1', '"version": 99'))
+
+
+def test_cache_packaged_fallback_and_corrupt_entry(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path))
+    packaged = calib.for_device("cpu")
+    assert packaged is not None and packaged.borrowed and "dense/float32" in packaged.fits
+    assert calib.for_device("cuda").borrowed and "sparse24-gemm/16bit" in calib.for_device("cuda").fits
+    own = _calibration({"dense/float32": calib.Fit(1.0, 1e11, 1e10, 2.0)})
+    path = calib.save(own, torch.device("cpu"))
+    assert path == calib.cache_path(torch.device("cpu")) and path.parent.stat().st_mode & 0o077 == 0
+    mine = calib.for_device("cpu")
+    assert not mine.borrowed and mine.fits == own.fits
+    path.write_text("{ not json")
+    with caplog.at_level("WARNING", logger="sparsecc"):
+        assert calib.for_device("cpu").borrowed
+    assert "unreadable calibration" in caplog.text
+
+
+def test_calibrating_this_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path))
+    probes = [calib.Probe(n, k, "dense", 1.0, "dense", m, "float32") for n, k in ((256, 256), (512, 1024))
+              for m in (1, 32, 256)]
+    probes += [calib.Probe(512, 512, "unstructured", d, "csr", m, "float32") for d in (0.2, 0.02) for m in (1, 64)]
+    monkeypatch.setattr(calib, "calibration_workloads", lambda device: probes)
+    result = calib.calibrate("cpu", progress=False)
+    assert set(result.fits) == {"dense/float32", "csr/float32"}
+    assert len(result.measurements) == len(probes) and all(r["us"] > 0 for r in result.measurements)
+    assert not calib.for_device("cpu").borrowed
+    for fit in result.fits.values():
+        assert fit.overhead_us > 0 and fit.rate > 0 and fit.bandwidth > 0 and 1 <= fit.p <= 8
+        assert math.isfinite(fit.median_error)

@@ -31,16 +31,9 @@ def time_graph_us(fn, *, calls=10, warmup_ms=10, rep_ms=40) -> float:
     """Median microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph and
     replayed: kernel time without host overhead."""
     import triton.testing
+    from sparsecc.timing import capture_graph
     fn()                                  # warm up outside capture (module loads, handles)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture_graph(fn, calls)
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3 / calls
 
 

@@ -111,7 +111,7 @@ def _time_cuda(fn, budget_s: float, capturable: bool) -> float:
         return statistics.median(_events_us(synced, 1) for _ in range(calls))
     # enough calls per graph (a multiple of the weight copies) that a replay outlasts its launch
     per_graph = copies * max(1, min(64 // copies, -(-300 // max(int(once * copies), 1))))
-    graph = _capture(fn, per_graph)
+    graph = capture_graph(fn, per_graph)
     graph.replay()
     graph_us = _events_us(graph.replay, 1)
     replays = max(1, min(20, int(2000 / max(graph_us, 1.0))))      # ~2 ms per measurement
@@ -119,7 +119,8 @@ def _time_cuda(fn, budget_s: float, capturable: bool) -> float:
     return statistics.median(_events_us(graph.replay, replays) for _ in range(groups)) / per_graph
 
 
-def _capture(fn, calls: int):
+def capture_graph(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn``, after a warm-up call on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

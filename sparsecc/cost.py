@@ -128,16 +128,20 @@ def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> li
     return found
 
 
+def representative_m(lo: int, hi: int | None) -> int:
+    """The M a bucket is predicted at: its geometric middle (4 x lo for an open-ended one)."""
+    return 4 * lo if hi is None else round(math.sqrt(lo * hi))
+
+
 def buckets_for(m_range: tuple[int, int]) -> list[tuple[int, int, int]]:
-    """``(lo, hi, representative M)`` of every bucket that meets ``m_range``, clipped to it;
-    the representative is the bucket's geometric middle."""
+    """``(lo, hi, representative M)`` of every bucket that meets ``m_range``, clipped to it."""
     lo, hi = m_range
     found = []
     for b_lo, b_hi in BUCKETS:
         b_hi = b_hi if b_hi is not None else max(hi, 4 * b_lo)
         c_lo, c_hi = max(lo, b_lo), min(hi, b_hi)
         if c_lo <= c_hi:
-            found.append((c_lo, c_hi, round(math.sqrt(c_lo * c_hi))))
+            found.append((c_lo, c_hi, representative_m(c_lo, c_hi)))
     return found
 
 
@@ -249,13 +253,12 @@ class CostModel:
         candidates = exact_candidates(stats, allowed)
         element = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
         times = {s: [self.predict_us(stats, s, rep, planned_m) for _, _, rep in ranges] for s in candidates}
-        at_m = m_used if not m_range else ranges[-1][2]
-        predictions = [Prediction(str(s), self.predict_us(stats, s, at_m, planned_m), format_nbytes(stats, s, element))
-                       for s in candidates]
+        at_m = ranges[-1][2]            # the example's M, or the declared range's largest bucket
+        predictions = [Prediction(str(s), times[s][-1], format_nbytes(stats, s, element)) for s in candidates]
         best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
         worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
         buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
-                   for rep in [self._representative(lo, hi)]]
+                   for rep in [representative_m(lo, hi)]]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
         pool = [s for s in candidates if not (forced and s.kind == "dense")]
         if not pool:
@@ -267,7 +270,7 @@ class CostModel:
             spec = min(pool, key=lambda s: worst_ratio[s])
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; {spec} fits "
                                   f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})", predictions, buckets)
-        spec, why = self._choose(pool, times, worst_ratio, predictions, ranges)
+        spec, why = self._choose(pool, times, worst_ratio, predictions)
         if spec.kind == "nm" and self.device.type == "cuda":
             why += ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if self.uses_kernel(stats, spec) else
                     f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}")
@@ -282,7 +285,7 @@ class CostModel:
             why += f"; confirmed by timing: {best.measured_us:.1f} us vs dense {dense.measured_us:.1f} us"
         return Decision(spec, why, predictions, buckets)
 
-    def _choose(self, pool, times, worst_ratio, predictions, ranges) -> tuple[FormatSpec, str]:
+    def _choose(self, pool, times, worst_ratio, predictions) -> tuple[FormatSpec, str]:
         """The objective's choice among ``pool`` and the first part of the reason."""
         dense_times = times[DENSE]
 
@@ -311,10 +314,6 @@ class CostModel:
             return spec, (f"dense stays: {fastest} is predicted at {summary(fastest)} vs dense {summary(spec)}, "
                           f"not the {1 - DENSE_MARGIN:.0%} and {min_gain:g} us ahead a sparse choice needs")
         return spec, f"{spec} is the fastest exact format: {summary(spec)} vs dense {summary(DENSE)}"
-
-    @staticmethod
-    def _representative(lo: int, hi: int | None) -> int:
-        return 4 * lo if hi is None else round(math.sqrt(lo * hi))
 
     def _bucket(self, stats, candidates, lo, hi, m, planned_m, declared) -> dict:
         times = {str(s): round(self.predict_us(stats, s, m, planned_m), 3) for s in candidates}

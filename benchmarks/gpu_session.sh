@@ -9,13 +9,14 @@
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 touch /tmp/session-start      # results written after this are copied to $OUT at the end
-export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=$PWD/.kcache SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
+export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=${SPARSECC_CACHE_DIR:-$PWD/.kcache} SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
 # what the session carries (benchmarks/README.md): .carry/cutlass.tgz, the CUTLASS headers of the
-# nvidia-cutlass wheel, and .carry/kcache.tgz, a kernel cache built before (optional)
+# nvidia-cutlass wheel, and .carry/kcache.tgz, a kernel cache built before (optional; used when
+# SPARSECC_CACHE_DIR is not set, else that cache is used, e.g. one an earlier call left in /tmp)
 mkdir -p /tmp/cutlass && tar xzf .carry/cutlass.tgz -C /tmp/cutlass || exit 1
 export SPARSECC_CUTLASS_DIR=/tmp/cutlass/source/include
-[ -f .carry/kcache.tgz ] && tar xzf .carry/kcache.tgz
-mkdir -p .kcache && chmod -R go-w .kcache && chmod 700 .kcache
+[ -f .carry/kcache.tgz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ] && tar xzf .carry/kcache.tgz
+mkdir -p "$SPARSECC_CACHE_DIR" && chmod -R go-w "$SPARSECC_CACHE_DIR" && chmod 700 "$SPARSECC_CACHE_DIR"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \

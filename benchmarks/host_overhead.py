@@ -43,7 +43,7 @@ def main() -> dict:
     x = torch.randn(1, k, dtype=torch.float16, device="cuda")
     packed = gpu.CutlassSparse24Weight.from_dense(w)
     result["launcher"] = gpu.cuda_implementation()
-    kernel, swizzle, splits = gpu.kernel_for(packed.kernels, 1)
+    kernel, swizzle, splits, _ = gpu.kernel_for(packed.kernels, 1)
     y = torch.empty(1, n, dtype=torch.float16, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     relu = ACTIVATION_CODES["relu"]

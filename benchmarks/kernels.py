@@ -4,6 +4,9 @@
 - ``torch-semi-structured``: ``to_sparse_semi_structured`` (cuSPARSELt) then ``relu``,
 - ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
 - ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
+- ``sparsecc-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
+- ``sparsecc-nonfinite-pass``: the part of ``sparsecc`` that makes NaN and Inf of x propagate
+  as in dense (one read of x after the product), timed alone,
 - ``sparsecc-config`` rows: every launch (tiling and scheduler knobs) sparsecc can dispatch
   to, measured first (``--sweep``); their winners update the tuning table (``--tuning-out``,
   copied to sparsecc/tuning.json) and the rows above are then measured with it.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +36,7 @@ from common import environment, rel_err, time_eager_us, time_graph_us, write  # 
 
 from sparsecc import gpu, runtime, tuning  # noqa: E402
 from sparsecc.codegen import Family  # noqa: E402
+from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [1, 16, 128, 2048, 8192]
@@ -80,6 +85,7 @@ def main(argv=None) -> dict:
         for (n, k), (w, bias, packed) in weights.items():   # 2: what a user runs, with those tables
             sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
             dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
+            unchecked_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], UNCHECKED_NONFINITE)
             try:
                 from torch.sparse import to_sparse_semi_structured
                 w_semi = to_sparse_semi_structured(w)
@@ -93,6 +99,8 @@ def main(argv=None) -> dict:
                     "sparsecc-dense": lambda: gpu.linear_kernel(x, w, None, n, k, bias, "relu", False, False, dense_table),
                     "sparsecc": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias, "relu",
                                                           False, False, sparse_table),
+                    "sparsecc-unchecked": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias,
+                                                                    "relu", False, False, unchecked_table),
                 }
                 if not isinstance(w_semi, Exception):
                     impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
@@ -108,6 +116,7 @@ def main(argv=None) -> dict:
                     except Exception as error:  # noqa: BLE001
                         row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
                     point.append(row)
+                point.append(measure_nonfinite_pass(x, packed, sparse_table, base))
                 if isinstance(w_semi, Exception):
                     point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
                                   "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
@@ -124,6 +133,16 @@ def main(argv=None) -> dict:
     print_summary(result)
     print("wrote", path)
     return result
+
+
+def measure_nonfinite_pass(x, packed, table, base) -> dict:
+    """The NaN/Inf pass of the 2:4 GEMM alone (it is part of the ``sparsecc`` time): graph replay."""
+    kernel = gpu.kernel_for(table, x.shape[0])[0]
+    y = torch.empty(x.shape[0], base["N"], dtype=x.dtype, device=x.device)
+    fn = lambda: kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), base["N"],  # noqa: E731
+                                            x.shape[0], base["K"], torch.cuda.current_stream().cuda_stream)
+    return {"impl": "sparsecc-nonfinite-pass", "format": "2:4", "density": 0.5, **base,
+            "us": time_graph_us(fn), "us_eager": None, "rel_err": None}
 
 
 def measure_launch(launch, x, w, bias, packed, ref, base) -> dict:
@@ -167,7 +186,7 @@ def geomean(values) -> float:
 
 def print_summary(result: dict) -> None:
     for dtype in ("float16", "bfloat16"):
-        for impl in ("sparsecc", "sparsecc-dense", "torch-semi-structured"):
+        for impl in ("sparsecc", "sparsecc-unchecked", "sparsecc-dense", "torch-semi-structured"):
             big = speedups(result, impl, dtype, 2048)
             allm = speedups(result, impl, dtype)
             eager = speedups(result, impl, dtype, key="us_eager")
@@ -175,6 +194,20 @@ def print_summary(result: dict) -> None:
                 print(f"{dtype:8s} {impl:22s} speedup over cuBLAS (graph): geomean M>=2048 {geomean(big.values()):.2f} "
                       f"(min {min(big.values(), default=float('nan')):.2f}), all {geomean(allm.values()):.2f}; "
                       f"eager geomean {geomean(eager.values()):.2f}")
+        shares = pass_shares(result, dtype)
+        if shares:
+            big = [share for (m, _, _), share in shares.items() if m >= 2048]
+            print(f"{dtype:8s} the NaN/Inf pass: {100 * statistics.median(shares.values()):.1f}% of the 2:4 time "
+                  f"(median; M>=2048 median {100 * statistics.median(big or [math.nan]):.1f}%, "
+                  f"max {100 * max(shares.values()):.1f}%)")
+
+
+def pass_shares(result: dict, dtype: str) -> dict:
+    """The NaN/Inf pass's share of the 2:4 kernel's time, per (M, N, K)."""
+    rows = [r for r in result["rows"] if r["dtype"] == dtype and r.get("us")]
+    total = {(r["M"], r["N"], r["K"]): r["us"] for r in rows if r["impl"] == "sparsecc"}
+    return {key: r["us"] / total[key] for r in rows if r["impl"] == "sparsecc-nonfinite-pass"
+            for key in [(r["M"], r["N"], r["K"])] if key in total}
 
 
 def plot(result: dict, path) -> None:

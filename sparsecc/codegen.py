@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import jinja2
 
-from .epilogue import ACTIVATION_CODES
+from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
 from .errors import InputError
 
 
@@ -186,7 +186,8 @@ def render(spec: KernelSpec) -> str:
     """The CUDA source of ``spec``."""
     from . import __version__
     return _environment().get_template(spec.template).render(spec=spec, version=__version__,
-                                                             activation_codes=ACTIVATION_CODES)
+                                                             activation_codes=ACTIVATION_CODES,
+                                                             unchecked_nonfinite=UNCHECKED_NONFINITE)
 
 
 def templates_digest() -> str:

@@ -13,6 +13,9 @@ change the environment at run time.
 | SPARSECC_ON_BUILD_ERROR  | ``raise`` a KernelBuildError, or ``fallback`` to torch     | raise                    |
 | SPARSECC_KERNELS         | generated kernel directories to load from (``:``-separated) | none                     |
 | SPARSECC_LAUNCHER        | ``cpp`` (the C++ launch path) or ``python`` (the fallback)  | cpp                      |
+| SPARSECC_NONFINITE       | ``propagate``: NaN/Inf of x reach y as in dense F.linear;  | propagate                |
+|                          | ``unchecked``: 2:4 GEMM sites packed from now on skip that |                          |
+|                          | pass (faster; for inputs known to be finite)               |                          |
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from .errors import InputError
 
 _BUILD_ERROR_POLICIES = ("raise", "fallback")
 _LAUNCHERS = ("cpp", "python")
+_NONFINITE = ("propagate", "unchecked")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Settings:
     on_build_error: str
     kernel_dirs: tuple[Path, ...] = ()
     launcher: str = "cpp"
+    nonfinite: str = "propagate"
 
 
 def _cutlass_from_wheel() -> Path | None:
@@ -64,6 +69,9 @@ def settings() -> Settings:
     launcher = env.get("SPARSECC_LAUNCHER", "cpp").lower()
     if launcher not in _LAUNCHERS:
         raise InputError(f"SPARSECC_LAUNCHER={launcher!r}: use one of {_LAUNCHERS}")
+    nonfinite = env.get("SPARSECC_NONFINITE", "propagate").lower()
+    if nonfinite not in _NONFINITE:
+        raise InputError(f"SPARSECC_NONFINITE={nonfinite!r}: use one of {_NONFINITE}")
     jobs_text = env.get("SPARSECC_BUILD_JOBS", "")
     try:
         jobs = int(jobs_text) if jobs_text else (os.cpu_count() or 1)
@@ -78,6 +86,7 @@ def settings() -> Settings:
         build_jobs=max(1, jobs),
         on_build_error=policy,
         launcher=launcher,
+        nonfinite=nonfinite,
         kernel_dirs=tuple(Path(p) for p in env.get("SPARSECC_KERNELS", "").split(os.pathsep) if p),
     )
 

@@ -269,12 +269,10 @@ class CostModel:
         if forced:
             spec = min(pool, key=lambda s: worst_ratio[s])
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; {spec} fits "
-                                  f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})", predictions, buckets)
+                                  f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})"
+                                  + self._where_it_runs(stats, spec), predictions, buckets)
         spec, why = self._choose(pool, times, worst_ratio, predictions)
-        if spec.kind == "nm" and self.device.type == "cuda":
-            why += ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if self.uses_kernel(stats, spec) else
-                    f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}")
-        why = f"{why} at {where} ({self.source})"
+        why = f"{why}{self._where_it_runs(stats, spec)} at {where} ({self.source})"
         best, dense = by_name[str(spec)], by_name["dense"]
         if spec.kind != "dense" and self.measure and measure_site is not None:
             best.measured_us, dense.measured_us = measure_site(spec, at_m), measure_site(DENSE, at_m)
@@ -284,6 +282,14 @@ class CostModel:
                                        "stays dense", predictions, buckets)
             why += f"; confirmed by timing: {best.measured_us:.1f} us vs dense {dense.measured_us:.1f} us"
         return Decision(spec, why, predictions, buckets)
+
+    def _where_it_runs(self, stats: WeightStats, spec: FormatSpec) -> str:
+        """For an n:m choice on the GPU, the part of the reason that says which code runs it."""
+        if spec.kind != "nm" or self.device.type != "cuda":
+            return ""
+        if self.uses_kernel(stats, spec):
+            return "; runs on sparsecc's sm90 2:4 CUTLASS kernel"
+        return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}"
 
     def _choose(self, pool, times, worst_ratio, predictions) -> tuple[FormatSpec, str]:
         """The objective's choice among ``pool`` and the first part of the reason."""

@@ -33,6 +33,10 @@ class Activation(str, enum.Enum):
 #: the code of each activation in generated kernels (their epilogue takes it at run time)
 ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 
+#: added to the activation code of a 2:4 GEMM call: skip the pass that makes NaN and Inf of
+#: x propagate as in dense (SPARSECC_NONFINITE=unchecked; see sparsecc.config)
+UNCHECKED_NONFINITE = 0x100
+
 
 def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.Tensor:
     """Apply ``activation`` out of place (the reference the kernels are held to)."""

@@ -16,7 +16,8 @@ import torch
 from . import runtime
 from .build import toolchain
 from .codegen import Family, KernelSpec, Schedule, Scheduler
-from .epilogue import ACTIVATION_CODES, Activation
+from .config import settings
+from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE, Activation
 from .errors import InputError, KernelBuildError, SparseccError
 from .formats import NM_2_4, PackedWeight
 
@@ -143,26 +144,35 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
-def dispatch_string(entries: list[tuple[int, Launch]]) -> str:
-    return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}" for bound, launch in entries)
+def dispatch_string(entries: list[tuple[int, Launch]], flags: int = 0) -> str:
+    """The table a site's op call carries: ``bound=symbol:swizzle:splits:flags`` per entry;
+    ``flags`` is added to the activation code (:data:`~sparsecc.epilogue.UNCHECKED_NONFINITE`)."""
+    return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}:{flags}" for bound, launch in entries)
 
 
 @lru_cache(maxsize=None)
-def _parse_dispatch(text: str) -> tuple[tuple[int, str, int, int], ...]:
+def _parse_dispatch(text: str) -> tuple[tuple[int, str, int, int, int], ...]:
     entries = []
     for item in text.split(";"):
         bound, _, rest = item.partition("=")
-        symbol, swizzle, splits = (rest.split(":") + ["1", "1"])[:3]
-        entries.append((int(bound), symbol, int(swizzle), int(splits)))
+        fields = rest.split(":")
+        symbol, swizzle, splits, flags = fields + ["1", "1", "0"][len(fields) - 1:]
+        entries.append((int(bound), symbol, int(swizzle), int(splits), int(flags)))
     return tuple(entries)
 
 
-def kernel_for(text: str, m: int) -> tuple[runtime.Kernel, int, int]:
-    """The kernel, swizzle and splits the dispatch table ``text`` names for M rows."""
-    for bound, symbol, swizzle, splits in _parse_dispatch(text):
+def kernel_for(text: str, m: int) -> tuple[runtime.Kernel, int, int, int]:
+    """The kernel, swizzle, splits and activation flags the dispatch table ``text`` names for M rows."""
+    for bound, symbol, swizzle, splits, flags in _parse_dispatch(text):
         if bound == 0 or m <= bound:
-            return runtime.get(symbol), swizzle, splits
+            return runtime.get(symbol), swizzle, splits, flags
     raise SparseccError(f"no kernel in {text!r} takes M={m}")
+
+
+def nonfinite_flags() -> int:
+    """What a 2:4 GEMM site packed now adds to its activation codes: 0 (NaN and Inf propagate
+    as in dense), or :data:`~sparsecc.epilogue.UNCHECKED_NONFINITE` under SPARSECC_NONFINITE=unchecked."""
+    return UNCHECKED_NONFINITE if settings().nonfinite == "unchecked" else 0
 
 
 def kernels_unavailable(device: torch.device) -> str | None:
@@ -316,7 +326,7 @@ class CutlassSparse24Weight(_Sparse24KernelWeight):
                             torch.cuda.current_stream().cuda_stream)
         table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
-        return cls(values, metadata, n, k, dispatch_string(table))
+        return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags()))
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly by running the kernel on an identity: I @ W^T = W^T (fp32 accumulation
@@ -383,12 +393,12 @@ def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, 
     if m > 0:
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
-        kernel, swizzle, splits = kernel_for(kernels, m)
+        kernel, swizzle, splits, flags = kernel_for(kernels, m)
         workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=x.device) if workspace_bytes else None
         kernel.gemm(weight.data_ptr(), metadata.data_ptr() if metadata is not None else 0, rows.data_ptr(),
                     bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
-                    code, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
+                    code + flags, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
                     workspace=workspace.data_ptr() if workspace is not None else 0)
     y = y.reshape(*lead, out_features)
     if transpose_out and not one_dim:

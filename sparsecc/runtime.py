@@ -52,6 +52,10 @@ class Kernel:
             self._workspace_size.argtypes = [_INT, _INT, _INT, _INT, _INT]
             self._workspace_size.restype = ctypes.c_longlong
             self._workspace_sizes: dict[tuple, int] = {}
+        if spec.family is Family.SM90_SPARSE24:
+            self._propagate = getattr(self.library, f"{symbol}_propagate_nonfinite")
+            self._propagate.argtypes = [_VOID, _VOID, _VOID, _INT, _INT, _INT, _VOID]
+            self._propagate.restype = _INT
 
     def _check(self, code: int) -> None:
         if code != 0:
@@ -69,6 +73,11 @@ class Kernel:
         """GEMM sizes: m = out features, n = rows of x, k = in features (pointers as ints)."""
         self._check(self._run(a, e, b, bias or None, d, m, n, k, activation, swizzle, splits,
                               workspace or None, stream))
+
+    def propagate_nonfinite(self, e: int, b: int, d: int, m: int, n: int, k: int, stream: int) -> None:
+        """The pass a 2:4 GEMM runs after its product so that NaN and Inf of x reach y as in dense
+        F.linear (``gemm`` already runs it; exposed so benchmarks can time it alone)."""
+        self._check(self._propagate(e, b, d, m, n, k, stream))
 
     def sizes(self, m: int, k: int) -> tuple[int, int]:
         """Compressed value elements and metadata bytes of an m x k 2:4 weight."""

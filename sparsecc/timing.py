@@ -4,7 +4,8 @@ What the cost model is calibrated on and what ``benchmarks/cost_model.py`` check
 both time through :func:`site_runner` and :func:`time_us`, so a prediction and its
 measurement mean the same thing.
 
-- On the CPU: the fastest of several wall-clock runs (the least disturbed by other work).
+- On the CPU: the fastest of several wall-clock runs (the least disturbed by other work);
+  runners compared with one another are timed in interleaved rounds (:func:`time_all_us`).
 - On the GPU: kernel time, the median per call of a CUDA graph of many calls replayed back
   to back (host overhead removed, as under ``mode="reduce-overhead"``), cycling through
   enough copies of the weight that it is read from memory, not the L2 cache. An op that cannot be
@@ -74,6 +75,24 @@ def time_us(fn: Callable[[], object], device: torch.device | str, *, budget_s: f
         if device.type == "cuda":
             return _time_cuda(fn, budget_s, getattr(fn, "capturable", True))
         return _time_cpu(fn, budget_s)
+
+
+#: on the CPU, runners compared with one another are timed in this many interleaved rounds,
+#: each keeping its fastest: a burst of other work on a shared machine then slows one round
+#: of every runner instead of every round of one
+CPU_ROUNDS = 3
+
+
+def time_all_us(runners: dict[str, Callable[[], object]], device: torch.device | str) -> dict[str, float]:
+    """:func:`time_us` of each runner, for comparing them: on the GPU one measurement each
+    (kernel times under graph replay are steady); on the CPU :data:`CPU_ROUNDS` rounds over all
+    of them, the fastest of each kept."""
+    device = torch.device(device)
+    best: dict[str, float] = {}
+    for _ in range(CPU_ROUNDS if device.type == "cpu" else 1):
+        for name, fn in runners.items():
+            best[name] = min(time_us(fn, device), best.get(name, float("inf")))
+    return best
 
 
 def _time_cpu(fn, budget_s: float, *, repeats: int = 7) -> float:

@@ -89,6 +89,16 @@ def test_small_24_matmul_where_24_loses_stays_dense_with_the_reason(gen):
     assert by_format["2:4"] > 0.9 * by_format["dense"]
 
 
+def test_forced_24_says_where_it_runs(gen):
+    """formats=("2:4") forces the choice; the reason still says whether sparsecc's kernel or
+    torch runs it (N=20 is no multiple of 8: torch)."""
+    allowed = [FormatSpec.parse("2:4")]
+    for n, says in ((20, "not sparsecc's kernel: the shape does not fit it"), (64, "sparsecc's sm90 2:4 CUTLASS kernel")):
+        decision = _h100().decide(analyze(n_m(n, 1024, 2, 4, gen).half()), 128, allowed)
+        assert str(decision.choice) == "2:4" and "formats restricts the choice" in decision.reason
+        assert says in decision.reason
+
+
 def test_large_24_matmul_runs_on_the_24_kernel(gen):
     weight = torch.randn(4096, 4096, generator=gen).half()
     weight = weight * n_m(4096, 4096, 2, 4, gen).ne(0)

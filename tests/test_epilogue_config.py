@@ -39,3 +39,24 @@ def test_settings_read_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSECC_LOG", "LOUD")
     with pytest.raises(InputError, match="SPARSECC_LOG"):
         settings()
+
+
+def test_nonfinite_setting_reaches_the_dispatch_table(monkeypatch):
+    """SPARSECC_NONFINITE: 'propagate' by default; 'unchecked' makes a site's table add the
+    flag that skips the 2:4 GEMMs' NaN/Inf pass; anything else is refused. Tables written
+    before the flags field existed still parse (flags 0)."""
+    from sparsecc import gpu
+    from sparsecc.codegen import Family, KernelSpec
+    from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
+    assert settings().nonfinite == "propagate" and gpu.nonfinite_flags() == 0
+    monkeypatch.setenv("SPARSECC_NONFINITE", "Unchecked")
+    assert settings().nonfinite == "unchecked" and gpu.nonfinite_flags() == UNCHECKED_NONFINITE
+    monkeypatch.setenv("SPARSECC_NONFINITE", "ignore")
+    with pytest.raises(InputError, match="SPARSECC_NONFINITE"):
+        settings()
+    launch = gpu.Launch(KernelSpec(Family.SM90_SPARSE24, "float16"), swizzle=2, splits=3)
+    table = gpu.dispatch_string([(16, launch), (0, launch)], UNCHECKED_NONFINITE)
+    assert gpu._parse_dispatch(table) == ((16, launch.spec.symbol, 2, 3, UNCHECKED_NONFINITE),
+                                          (0, launch.spec.symbol, 2, 3, UNCHECKED_NONFINITE))
+    assert gpu._parse_dispatch(f"0={launch.spec.symbol}:2:3") == ((0, launch.spec.symbol, 2, 3, 0),)
+    assert UNCHECKED_NONFINITE > max(ACTIVATION_CODES.values())

@@ -7,7 +7,8 @@ ValueError), the C++ launcher a ValueError from TORCH_CHECK_VALUE.
 import pytest
 import torch
 
-from sparsecc import gpu
+from sparsecc import gpu, runtime
+from sparsecc.codegen import Family
 
 from conftest import assert_rel_close, n_m
 from test_bad_input import assert_same_nonfinite, ieee_reference
@@ -111,18 +112,20 @@ def test_empty_batch(site, shape, x_transposed, transpose_out, expected):
     assert tuple(got.shape) == expected and got.dtype == w.dtype and got.is_cuda
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the sparse tensor-core MMA reads only the elements of x that the 2:4 metadata selects, so a "
-    "NaN or Inf of x that meets a pruned (zero) weight never reaches the output, where dense "
-    "F.linear gives 0 * NaN = NaN; the CUDA op does not check x for non-finite values"))
+#: the two 2:4 layouts: CUTLASS's (the GEMMs, fixed up after the product) and the
+#: small-batch kernels' (checked inside the kernel)
+PACKINGS = {"gemm": gpu.CutlassSparse24Weight, "gemv": gpu.Sparse24GemvWeight}
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
-def test_nan_and_inf_propagate_like_dense(site, activation):
+def test_nan_and_inf_propagate_like_dense(site, packing, activation):
     """As on the CPU: NaN and infinities of x meet the weight's zeros as in dense F.linear,
     including a group of four all-zero columns and the zeros of every 2:4 group."""
     w, _ = site
     w = w.clone()
     w[:, :4] = 0                                  # a group with nothing kept
-    packed = gpu.CutlassSparse24Weight.from_dense(w)
+    packed = PACKINGS[packing].from_dense(w)
     x = torch.randn(6, K, device="cuda").to(w.dtype)
     x[0, 3] = float("nan")                        # meets only zeros
     x[1, 2] = float("inf")                        # meets only zeros
@@ -136,9 +139,88 @@ def test_nan_and_inf_propagate_like_dense(site, activation):
     assert_same_nonfinite(got, ref, w.dtype)
 
 
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "silu"])
+def test_dense_kernel_propagates_nan_and_inf(site, activation):
+    """sparsecc's dense CUTLASS kernel multiplies every entry, so it needs no pass: its
+    epilogue keeps NaN (ReLU of NaN is NaN, as in torch)."""
+    w, _ = site
+    table = gpu.dispatch(Family.SM90_DENSE, w.dtype, N, K)
+    runtime.ensure([launch.spec for _, launch in table])
+    x = torch.randn(4, K, device="cuda").to(w.dtype)
+    x[0, 3], x[1, 2], x[2, 9] = float("nan"), float("inf"), -float("inf")
+    bias = torch.randn(N, device="cuda").to(w.dtype)
+    got = gpu.linear_kernel(x, w, None, N, K, bias, activation, False, False, gpu.dispatch_string(table))
+    assert_same_nonfinite(got, ieee_reference(x, w, bias, activation), w.dtype)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_scattered_nonfinite_inputs_meet_the_right_zeros(packing, rows, transpose_out):
+    """One NaN, +Inf or -Inf in each row of x at a random place (two infinities of opposite
+    signs in one row), on a weight whose shape is no multiple of the tiles: each output is NaN,
+    +Inf, -Inf or finite exactly as in dense. An infinity gives NaN against a zero and an
+    infinity against a value, so each such row checks that the kernel read the right row and
+    group of the metadata."""
+    n, k = 136, 544
+    gen = torch.Generator().manual_seed(rows + 1000 * transpose_out)
+    for dtype in DTYPES:
+        w = (n_m(n, k, 2, 4, gen) / k ** 0.5).to(dtype).cuda()
+        packed = PACKINGS[packing].from_dense(w)
+        x = torch.randn(rows, k, generator=gen)
+        kinds = torch.tensor([float("inf"), -float("inf"), float("nan")])[torch.randint(0, 3, (rows,), generator=gen)]
+        kinds[0] = float("inf")
+        columns = torch.randint(0, k, (rows,), generator=gen)
+        x[torch.arange(rows), columns] = kinds
+        if rows > 1:
+            x[1, (columns[1] + 5) % k] = -x[1, columns[1]]
+        x = x.to(dtype).cuda()
+        bias = torch.randn(n, generator=gen).to(dtype).cuda()
+        got = run(packed, x, bias, "relu", transpose_out=transpose_out)
+        ref = ieee_reference(x, w, bias, "relu")
+        ref = ref.transpose(-1, -2) if transpose_out else ref
+        assert ref.isnan().any() and ref.isfinite().any()
+        assert_same_nonfinite(got, ref, dtype)
+
+
 def test_input_or_bias_on_another_device_raises(site):
     w, packed = site
     with pytest.raises(ValueError, match="input on cpu"):
         run(packed, torch.randn(3, K).to(w.dtype))
     with pytest.raises(ValueError, match="bias on cpu"):
         run(packed, torch.randn(3, K, device="cuda").to(w.dtype), torch.randn(N).to(w.dtype))
+
+
+def test_nonfinite_pass_alone_writes_only_where_dense_has_nan(site):
+    """The GEMMs' pass on its own (as benchmarks/kernels.py times it): with finite x it leaves
+    y untouched; with a NaN at a column it writes NaN exactly where the weight skips that
+    column, and nowhere else."""
+    w, packed = site
+    kernel = gpu.kernel_for(packed.kernels, 5)[0]
+    x = torch.randn(5, K, device="cuda").to(w.dtype)
+    y = torch.randn(5, N, device="cuda").to(w.dtype)
+    before = y.clone()
+    stream = torch.cuda.current_stream().cuda_stream
+    kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), N, 5, K, stream)
+    assert torch.equal(y, before)
+    x[3, 21] = float("nan")
+    kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), N, 5, K, stream)
+    skipped = w[:, 21] == 0                  # a 2:4 weight stores exactly its non-zeros here
+    assert torch.equal(y[3].isnan(), skipped) and skipped.any() and not skipped.all()
+    assert torch.equal(y[[0, 1, 2, 4]], before[[0, 1, 2, 4]])
+
+
+def test_unchecked_sites_skip_the_pass(site, monkeypatch):
+    """SPARSECC_NONFINITE=unchecked: sites packed then compute the same finite results, and a
+    NaN of x reaches only the outputs whose weight stores its column (the pass is skipped)."""
+    w, _ = site
+    monkeypatch.setenv("SPARSECC_NONFINITE", "unchecked")
+    packed = gpu.CutlassSparse24Weight.from_dense(w)
+    assert packed.kernels.endswith(f":{gpu.UNCHECKED_NONFINITE}")
+    x = torch.randn(3, K, device="cuda").to(w.dtype)
+    bias = torch.randn(N, device="cuda").to(w.dtype)
+    assert_rel_close(run(packed, x, bias, "relu"), reference(x, w, bias, "relu", False, False), w.dtype)
+    x[1, 21] = float("nan")
+    got = run(packed, x, bias, "relu")
+    stored = w[:, 21] != 0
+    assert got[1][stored].isnan().all() and got[1][~stored].isfinite().all() and (~stored).any()

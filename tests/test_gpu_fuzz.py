@@ -1,6 +1,8 @@
 """The fuzz harness of tests/test_fuzz.py on the real kernels: sparsecc::linear_kernel with
 2:4 weights compressed by CUTLASS, fp16 and bf16, every epilogue, layout flag, rank and
 stride, batch sizes across the dispatch buckets (skipped without a Hopper GPU and nvcc)."""
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 GPU_FORMATS = ("2:4",)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 GPU_TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
-GPU_EXAMPLES = 300
+#: 300 in a routine run; SPARSECC_GPU_FUZZ_EXAMPLES=2000 runs as many cases as the CPU harness
+GPU_EXAMPLES = int(os.environ.get("SPARSECC_GPU_FUZZ_EXAMPLES", "300"))
 #: a few weight shapes the kernels take (N % 8 == 0, K % 16 == 0), so that the few
 #: launches their dispatch tables name are built once
 SHAPES = [(8, 16), (24, 48), (64, 96), (40, 128), (136, 80)]

@@ -39,6 +39,7 @@ struct Entry {
   std::string symbol;
   int swizzle;
   int splits;
+  int flags;      // added to the activation code (sparsecc.epilogue.UNCHECKED_NONFINITE)
 };
 
 std::shared_mutex g_lock;
@@ -55,14 +56,18 @@ std::vector<Entry> parse_table(const std::string& text) {
     std::string item = text.substr(start, end - start);
     size_t eq = item.find('=');
     TORCH_CHECK_VALUE(eq != std::string::npos, "sparsecc linear: malformed dispatch entry '", item, "'");
-    Entry entry{std::stoll(item.substr(0, eq)), "", 1, 1};
+    Entry entry{std::stoll(item.substr(0, eq)), "", 1, 1, 0};
     std::string rest = item.substr(eq + 1);
     size_t colon = rest.find(':');
     entry.symbol = rest.substr(0, colon);
-    if (colon != std::string::npos) {
+    if (colon != std::string::npos) {  // symbol:swizzle:splits:flags, the last ones optional
       size_t second = rest.find(':', colon + 1);
       entry.swizzle = std::stoi(rest.substr(colon + 1, second - colon - 1));
-      if (second != std::string::npos) entry.splits = std::stoi(rest.substr(second + 1));
+      if (second != std::string::npos) {
+        size_t third = rest.find(':', second + 1);
+        entry.splits = std::stoi(rest.substr(second + 1, third - second - 1));
+        if (third != std::string::npos) entry.flags = std::stoi(rest.substr(third + 1));
+      }
     }
     entries.push_back(entry);
     start = end + 1;
@@ -70,8 +75,8 @@ std::vector<Entry> parse_table(const std::string& text) {
   return entries;
 }
 
-// The kernel, swizzle and splits the table names for m rows.
-std::tuple<Kernel, int, int> kernel_for(c10::string_view kernels, int64_t m) {
+// The kernel, swizzle, splits and activation flags the table names for m rows.
+std::tuple<Kernel, int, int, int> kernel_for(c10::string_view kernels, int64_t m) {
   std::string text(kernels);
   {
     std::shared_lock<std::shared_mutex> read(g_lock);
@@ -83,7 +88,7 @@ std::tuple<Kernel, int, int> kernel_for(c10::string_view kernels, int64_t m) {
           TORCH_CHECK(kernel != g_kernels.end(), "sparsecc linear: kernel ", entry.symbol,
                       " is not loaded in this process: compile the model with sparsecc.compile "
                       "(or call sparsecc.runtime.ensure) first");
-          return {kernel->second, entry.swizzle, entry.splits};
+          return {kernel->second, entry.swizzle, entry.splits, entry.flags};
         }
       }
       TORCH_CHECK_VALUE(false, "sparsecc linear: no kernel in '", text, "' takes M=", m);
@@ -133,14 +138,14 @@ at::Tensor linear_kernel_cuda(const at::Tensor& x, const at::Tensor& weight, con
   if (m > 0) {
     at::Tensor b;
     if (bias.has_value()) b = bias->to(x.scalar_type()).contiguous();
-    auto [kernel, swizzle, splits] = kernel_for(kernels, m);
+    auto [kernel, swizzle, splits, flags] = kernel_for(kernels, m);
     const long long workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits);
     at::Tensor workspace;
     if (workspace_bytes > 0) workspace = at::empty({workspace_bytes}, x.options().dtype(at::kByte));
     const int status = kernel.run(weight.data_ptr(), metadata.has_value() ? metadata->data_ptr() : nullptr,
                                   rows.data_ptr(), b.defined() ? b.data_ptr() : nullptr, y.data_ptr(),
                                   static_cast<int>(out_features), static_cast<int>(m), static_cast<int>(in_features),
-                                  code, swizzle, splits, workspace.defined() ? workspace.data_ptr() : nullptr,
+                                  code + flags, swizzle, splits, workspace.defined() ? workspace.data_ptr() : nullptr,
                                   c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
     TORCH_CHECK(status == 0, "sparsecc linear: ", kernel.error());
   }

@@ -146,7 +146,10 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
 
 def dispatch_string(entries: list[tuple[int, Launch]], flags: int = 0) -> str:
     """The table a site's op call carries: ``bound=symbol:swizzle:splits:flags`` per entry;
-    ``flags`` is added to the activation code (:data:`~sparsecc.epilogue.UNCHECKED_NONFINITE`)."""
+    ``flags`` is added to the activation code (:data:`~sparsecc.epilogue.UNCHECKED_NONFINITE`);
+    only the sm90 2:4 GEMMs read flags (another kernel would take the sum for an unknown activation)."""
+    if flags and any(launch.spec.family is not Family.SM90_SPARSE24 for _, launch in entries):
+        raise InputError("dispatch flags apply to the sm90 2:4 GEMMs only")
     return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}:{flags}" for bound, launch in entries)
 
 

@@ -59,4 +59,7 @@ def test_nonfinite_setting_reaches_the_dispatch_table(monkeypatch):
     assert gpu._parse_dispatch(table) == ((16, launch.spec.symbol, 2, 3, UNCHECKED_NONFINITE),
                                           (0, launch.spec.symbol, 2, 3, UNCHECKED_NONFINITE))
     assert gpu._parse_dispatch(f"0={launch.spec.symbol}:2:3") == ((0, launch.spec.symbol, 2, 3, 0),)
+    dense = gpu.Launch(KernelSpec(Family.SM90_DENSE, "float16"))
+    with pytest.raises(InputError, match="sm90 2:4 GEMMs only"):
+        gpu.dispatch_string([(0, dense)], UNCHECKED_NONFINITE)
     assert UNCHECKED_NONFINITE > max(ACTIVATION_CODES.values())

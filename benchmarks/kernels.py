@@ -18,6 +18,7 @@ knobs) on per-config rows, ``error`` when an implementation refused a shape. Wri
 and a plot beside it.
 
     python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH]
+    python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def two_four(n: int, k: int, dtype, gen) -> torch.Tensor:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--bsr" in argv:
+        import kernels_bsr
+        return kernels_bsr.main([a for a in argv if a != "--bsr"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes, three batch sizes")
     parser.add_argument("--sweep", nargs="*", default=["float16", "bfloat16"],

@@ -34,8 +34,9 @@ log = logging.getLogger("sparsecc")
 
 #: what runs a format: torch's dense GEMM, sparsecc's 2:4 CUTLASS GEMM and small-batch kernel,
 #: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
-#: no BSR kernel for the dtype or block, sparsecc.ops' batched block products) and CSR product
-IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "csr")
+#: no BSR kernel for the dtype or block, sparsecc.ops' batched block products), sparsecc's
+#: BSR kernel and torch's CSR product
+IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "csr")
 #: streaming multiprocessors assumed when no GPU is present to ask (an H100 SXM)
 DEFAULT_SMS = 132
 CALIBRATION_VERSION = 1
@@ -83,6 +84,17 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
         kept = n * k * w.density
         return 2.0 * m * n * k, kept * (e + 1) + 2 * n * k * e + act
+    if w.impl == "bsr-kernel":
+        # stored blocks only, x's rows padded to the tile. Its loads bound it (measured on an
+        # H100: a copy-only variant takes as long as the kernel): every block row gathers its
+        # columns of x again, and every tile of x's rows reads the stored blocks again; the
+        # NaN pass reads x once more
+        h, bw = w.block or (32, 32)
+        tile_m = (w.tile or (h, 128))[1]
+        stored = (w.block_density if w.block_density is not None else w.density) * n * k
+        tiles = math.ceil(m / tile_m)
+        gathered = m * stored / h * e + tiles * stored * e
+        return 2.0 * tiles * tile_m * stored, gathered + m * n * e + m * k * e
     wide = 4 if e < 4 else e       # torch's sparse products run 16-bit inputs in fp32
     if w.impl in ("bsr", "bsr-bmm"):
         h, bw = w.block or (32, 32)

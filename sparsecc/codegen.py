@@ -28,6 +28,7 @@ class Family(str, enum.Enum):
     SM80_SPARSE24 = "gemm_sm80_sparse24"
     SM80_DENSE = "gemm_sm80_dense"
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
+    BSR_SM90 = "bsr_sm90"
 
     @property
     def arch(self) -> str:
@@ -41,6 +42,17 @@ class Family(str, enum.Enum):
     def gemv(self) -> bool:
         """A memory-bound small-batch kernel (tile = warps, rows per warp, rows of x)."""
         return self.value.startswith("gemv")
+
+    @property
+    def bsr(self) -> bool:
+        """A block-sparse kernel (tile = block rows, block columns, rows of x)."""
+        return self.value.startswith("bsr")
+
+    @property
+    def own_launch(self) -> bool:
+        """A kernel written with its own launch (gemv, BSR): no CUTLASS schedule, scheduler,
+        cluster or operand-layout options (the op transposes x and y where a site needs it)."""
+        return self.gemv or self.bsr
 
 
 class Schedule(str, enum.Enum):
@@ -72,10 +84,29 @@ TILES = {
     # (warps per block, output features per warp, rows of x per block)
     Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
 }
+#: BSR block sizes (rows, columns) the kernels take, square or not
+BSR_BLOCK_SIDES = (16, 32, 64, 128)
+BSR_TILE_M = (16, 32, 64, 128)
+
+
+def bsr_warps(block_rows: int, tile_m: int) -> tuple[int, int] | None:
+    """Warps (along x's rows, along the block's rows) of a BSR CTA, or None if the tile has
+    no layout: each warp takes at most 64 x 32 of the output, in 16 x 16 steps."""
+    warps_n = {16: 1, 32: 2, 64: 2, 128: 4}[block_rows]
+    warps_m = min(2 if block_rows >= 32 else 4, tile_m // 16)
+    if block_rows % (16 * warps_n) or tile_m % (16 * warps_m) or tile_m // warps_m > 64:
+        return None
+    return warps_m, warps_n
+
+
+# (block rows, block columns, rows of x per CTA)
+TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_TILE_M
+                          if bsr_warps(h, m) is not None}
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
-                Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1)}
+                Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
+                Family.BSR_SM90: (64, 64, 128)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
@@ -109,11 +140,12 @@ class KernelSpec:
             raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
         if self.scheduler is Scheduler.STREAMK and (self.schedule is not Schedule.COOPERATIVE or self.arch != "sm_90a"):
             raise InputError("the stream-K scheduler needs an sm_90a family and the cooperative schedule")
-        if self.family.gemv and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
-                                 or self.x_transposed or self.transpose_out):
-            raise InputError("gemv kernels take no cluster, scheduler or operand-layout options")
+        if self.family.own_launch and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
+                                       or self.schedule is not Schedule.COOPERATIVE
+                                       or self.x_transposed or self.transpose_out):
+            raise InputError(f"{self.family.value} kernels take no cluster, schedule, scheduler or operand-layout options")
         if (self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a"
-                and not self.family.gemv):
+                and not self.family.own_launch):
             raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
         if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
             raise InputError("x_transposed and transpose_out are booleans")
@@ -142,10 +174,25 @@ class KernelSpec:
                 Schedule.PINGPONG: "TmaWarpSpecialized"}[self.schedule]
 
     @property
+    def bsr_warps(self) -> tuple[int, int]:
+        """(warps along x's rows, warps along the block's rows) of a BSR kernel."""
+        return bsr_warps(self.tile[0], self.tile[2])
+
+    @property
+    def bsr_stages(self) -> int:
+        """Shared-memory pipeline stages of a BSR kernel: as many as keep two CTAs per SM."""
+        h, _, tile_m = self.tile
+        stage_bytes = (h + tile_m) * 64 * 2
+        return max(2, min(4, (100 * 1024) // stage_bytes))
+
+    @property
     def symbol(self) -> str:
         """A C identifier that spells the whole configuration out."""
         if self.family is Family.SM90_COMPRESS24:
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}"
+        if self.family.bsr:
+            h, w, m = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_b{h}x{w}_m{m}"
         if self.family.gemv:
             w, r, m = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_r{r}_m{m}"

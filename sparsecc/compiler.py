@@ -19,7 +19,8 @@ from .cost import CostModel, check_m_range, time_site
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
-from .gpu import GEMV_MAX_M, Sparse24GemvWeight, pack_24_for
+from .gpu import GEMV_MAX_M, Sparse24GemvWeight
+from .kernel_packing import pack_for_kernels
 from .passes import find_linear, fuse_epilogue, splice
 from .plan import Candidate, Plan, SitePlan
 from .site import LinearSite
@@ -204,7 +205,7 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
 
 
 def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, object]:
-    """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4 on Hopper),
+    """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4 and BSR on Hopper),
     else in the format's portable layout that the torch implementations read. Returns the
     decisions splice takes (site name -> packed weight, or None for dense)."""
     decisions = {}
@@ -225,7 +226,7 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
     if on_kernel:
         try:
             entry = plan[site.name]
-            packed = pack_24_for(site.weight, entry.m_range[1] if entry.m_range else site.m, progress=True)
+            packed = pack_for_kernels(site.weight, choice, entry.m_range[1] if entry.m_range else site.m, progress=True)
             if isinstance(packed, Sparse24GemvWeight):
                 plan[site.name].reason += (f"; batch {site.m} <= {GEMV_MAX_M}: the memory-bound small-batch "
                                            "kernel (larger batches run on it too, slower than on the GEMMs)")

@@ -60,7 +60,8 @@ OBJECTIVES = ("latency", "memory")
 _FALLBACK_FITS = {
     "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
              "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
-             "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0)},
+             "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0),
+             "bsr-kernel": calib.Fit(8.0, 350e12, 2.2e12, 4.0)},
     "cpu": {"dense": calib.Fit(10.0, 100e9, 20e9, 2.0), "nm-unpack": calib.Fit(20.0, 100e9, 10e9, 1.0),
             "bsr": calib.Fit(30.0, 30e9, 10e9, 2.0), "bsr-bmm": calib.Fit(60.0, 20e9, 10e9, 1.0),
             "csr": calib.Fit(30.0, 12e9, 10e9, 2.0)},
@@ -191,10 +192,20 @@ class CostModel:
         return f"calibration of {self.calibration.device}" + (" (borrowed)" if self.calibration.borrowed else "")
 
     def uses_kernel(self, stats: WeightStats, spec: FormatSpec) -> bool:
-        """Whether ``spec`` runs on a generated kernel for this weight (2:4 on Hopper)."""
+        """Whether ``spec`` runs on a generated kernel for this weight (2:4 and BSR on Hopper)."""
+        return self.kernels_unavailable is None and self._kernel_refuses(stats, spec) is None
+
+    @staticmethod
+    def _kernel_refuses(stats: WeightStats, spec: FormatSpec) -> str | None:
+        """Why sparsecc's kernels cannot run ``spec`` for this weight's shape and dtype, or None."""
+        from .bsr_kernel import block_supported
         from .gpu import shape_supported
-        return (self.kernels_unavailable is None and spec == NM_2_4
-                and shape_supported(*stats.shape, getattr(torch, stats.dtype)) is None)
+        dtype = getattr(torch, stats.dtype)
+        if spec == NM_2_4:
+            return shape_supported(*stats.shape, dtype)
+        if spec.kind == "bsr" and spec.block is not None:
+            return block_supported(spec.block, dtype)
+        return f"sparsecc has no kernel for {spec}"
 
     def runs_on(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None) -> str:
         """The implementation (calibration.IMPLS) that runs ``spec`` for a site packed for
@@ -206,6 +217,8 @@ class CostModel:
                 return "nm-unpack"
             from .gpu import GEMV_MAX_M
             return "sparse24-gemv" if planned_m is not None and planned_m <= GEMV_MAX_M else "sparse24-gemm"
+        if spec.kind == "bsr" and self.uses_kernel(stats, spec):
+            return "bsr-kernel"
         if spec.kind == "bsr":
             from .ops import _torch_has_bsr_kernel
             compute = torch.float32 if stats.dtype in ("float16", "bfloat16") else getattr(torch, stats.dtype)
@@ -225,6 +238,9 @@ class CostModel:
             from .codegen import Family
             from .gpu import kernel_tile
             fields["tile"] = kernel_tile(Family.SM90_SPARSE24, getattr(torch, stats.dtype), n_rows, k, m)
+        if impl == "bsr-kernel":
+            from .bsr_kernel import tile_m_for
+            fields["tile"] = (spec.block[0], tile_m_for(m))
         return calib.Workload(**fields)
 
     def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> float:
@@ -284,12 +300,13 @@ class CostModel:
         return Decision(spec, why, predictions, buckets)
 
     def _where_it_runs(self, stats: WeightStats, spec: FormatSpec) -> str:
-        """For an n:m choice on the GPU, the part of the reason that says which code runs it."""
-        if spec.kind != "nm" or self.device.type != "cuda":
+        """For an n:m or BSR choice on the GPU, the part of the reason that says which code runs it."""
+        if spec.kind not in ("nm", "bsr") or self.device.type != "cuda":
             return ""
         if self.uses_kernel(stats, spec):
-            return "; runs on sparsecc's sm90 2:4 CUTLASS kernel"
-        return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or 'the shape does not fit it'}"
+            return ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if spec.kind == "nm"
+                    else "; runs on sparsecc's BSR kernel (tensor cores)")
+        return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or self._kernel_refuses(stats, spec)}"
 
     def _choose(self, pool, times, worst_ratio, predictions) -> tuple[FormatSpec, str]:
         """The objective's choice among ``pool`` and the first part of the reason."""

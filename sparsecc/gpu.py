@@ -19,7 +19,7 @@ from .codegen import Family, KernelSpec, Schedule, Scheduler
 from .config import settings
 from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE, Activation
 from .errors import InputError, KernelBuildError, SparseccError
-from .formats import NM_2_4, PackedWeight
+from .formats import NM_2_4, FormatSpec, PackedWeight
 
 #: alignment the kernels need: K a multiple of 16 (the compressor's chunk), N a multiple of 8
 #: (16-byte rows of the output); other shapes run on torch and the plan says so
@@ -128,11 +128,17 @@ def kernel_tile(family: Family, dtype: torch.dtype, out_features: int, in_featur
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     """Every kernel a plan's CUDA sites need, per architecture: for sm_90a each M bucket's
     kernel of every 2:4 site the kernels take (the small-batch kernels for a site planned at
-    M <= GEMV_MAX_M, else the 2:4 compressor and the GEMMs); for sm_80 the family's default
-    kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
+    M <= GEMV_MAX_M, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
+    the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
+    from .bsr_kernel import block_supported
+    from .bsr_kernel import dispatch as bsr_dispatch
     specs: list[KernelSpec] = []
     for site in plan:
-        if site.choice != str(NM_2_4) or shape_supported(*site.shape, getattr(torch, site.dtype, None)):
+        choice = FormatSpec.parse(site.choice)
+        dtype = getattr(torch, site.dtype, None)
+        if choice.kind == "bsr" and choice.block and not block_supported(choice.block, dtype) and "sm_90a" in archs:
+            specs += [launch.spec for _, launch in bsr_dispatch(dtype, choice.block)]
+        if choice != NM_2_4 or shape_supported(*site.shape, dtype):
             continue
         if "sm_90a" in archs and site.m is not None and site.m <= GEMV_MAX_M:
             specs += [launch.spec for _, launch in dispatch(Family.GEMV_SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
@@ -147,9 +153,9 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
 def dispatch_string(entries: list[tuple[int, Launch]], flags: int = 0) -> str:
     """The table a site's op call carries: ``bound=symbol:swizzle:splits:flags`` per entry;
     ``flags`` is added to the activation code (:data:`~sparsecc.epilogue.UNCHECKED_NONFINITE`);
-    only the sm90 2:4 GEMMs read flags (another kernel would take the sum for an unknown activation)."""
-    if flags and any(launch.spec.family is not Family.SM90_SPARSE24 for _, launch in entries):
-        raise InputError("dispatch flags apply to the sm90 2:4 GEMMs only")
+    only the kernels with a NaN pass read flags (another would take the sum for an unknown activation)."""
+    if flags and any(launch.spec.family not in runtime.NONFINITE_PASS_FAMILIES for _, launch in entries):
+        raise InputError("dispatch flags apply to the sm90 2:4 GEMMs and the BSR kernels only")
     return ";".join(f"{bound}={launch.spec.symbol}:{launch.swizzle}:{launch.splits}:{flags}" for bound, launch in entries)
 
 
@@ -173,7 +179,7 @@ def kernel_for(text: str, m: int) -> tuple[runtime.Kernel, int, int, int]:
 
 
 def nonfinite_flags() -> int:
-    """What a 2:4 GEMM site packed now adds to its activation codes: 0 (NaN and Inf propagate
+    """What a 2:4 GEMM or BSR site packed now adds to its activation codes: 0 (NaN and Inf propagate
     as in dense), or :data:`~sparsecc.epilogue.UNCHECKED_NONFINITE` under SPARSECC_NONFINITE=unchecked."""
     return UNCHECKED_NONFINITE if settings().nonfinite == "unchecked" else 0
 
@@ -214,9 +220,9 @@ def gemv_candidates(dtype: torch.dtype) -> list[Launch]:
 
 
 @dataclass
-class _Sparse24KernelWeight(PackedWeight):
-    """A 2:4 weight packed for sparsecc's kernels: two arrays in a kernel family's layout and
-    the dispatch table the op runs (``sparsecc::linear_kernel``)."""
+class KernelWeight(PackedWeight):
+    """A weight packed for sparsecc's kernels: two arrays in a kernel family's layout and the
+    dispatch table the op runs (``sparsecc::linear_kernel``)."""
 
     values: torch.Tensor
     metadata: torch.Tensor
@@ -224,7 +230,6 @@ class _Sparse24KernelWeight(PackedWeight):
     in_features: int
     kernels: str = ""         # the dispatch table the op runs
 
-    spec = NM_2_4
     op = None   # sparsecc::linear_kernel, set at the end of this module once the op exists
 
     @property
@@ -244,18 +249,20 @@ class _Sparse24KernelWeight(PackedWeight):
     @staticmethod
     def _check(weight: torch.Tensor) -> None:
         if weight.device.type != "cuda":
-            raise InputError("sparsecc's 2:4 kernels run on the GPU: move the weight to CUDA first")
+            raise InputError("sparsecc's kernels run on the GPU: move the weight to CUDA first")
         reason = shape_supported(*weight.shape, weight.dtype)
         if reason:
             raise InputError(reason)
 
 
 @dataclass
-class Sparse24GemvWeight(_Sparse24KernelWeight):
+class Sparse24GemvWeight(KernelWeight):
     """A 2:4 weight in the layout of the small-batch kernels (templates/gemv_sm90_sparse24):
     ``values`` [N, K/2] (the two kept entries of each group of four, in order) and
     ``metadata`` [N, K/16] int16 holding 16 bits per four groups (each group's two positions,
     2 bits each)."""
+
+    spec = NM_2_4
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24GemvWeight":
@@ -308,9 +315,11 @@ def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
 
 
 @dataclass
-class CutlassSparse24Weight(_Sparse24KernelWeight):
+class CutlassSparse24Weight(KernelWeight):
     """A 2:4 weight in the layout the sm90 GEMMs read: compressed values and metadata, as
     CUTLASS's compressor writes them."""
+
+    spec = NM_2_4
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CutlassSparse24Weight":
@@ -420,4 +429,4 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
     return x.new_empty(shape)
 
 
-_Sparse24KernelWeight.op = linear_kernel
+KernelWeight.op = linear_kernel

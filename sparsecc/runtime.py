@@ -20,6 +20,9 @@ from .errors import KernelBuildError, SparseccError
 from .kernel_dir import KernelDirectory
 
 _VOID = ctypes.c_void_p
+#: the families that skip products dense would compute (0 * NaN) and so export a pass that
+#: propagates NaN and Inf of x (run by their ``_run`` unless the flags say unchecked)
+NONFINITE_PASS_FAMILIES = (Family.SM90_SPARSE24, Family.BSR_SM90)
 _INT = ctypes.c_int
 
 
@@ -52,7 +55,7 @@ class Kernel:
             self._workspace_size.argtypes = [_INT, _INT, _INT, _INT, _INT]
             self._workspace_size.restype = ctypes.c_longlong
             self._workspace_sizes: dict[tuple, int] = {}
-        if spec.family is Family.SM90_SPARSE24:
+        if spec.family in NONFINITE_PASS_FAMILIES:
             self._propagate = getattr(self.library, f"{symbol}_propagate_nonfinite")
             self._propagate.argtypes = [_VOID, _VOID, _VOID, _INT, _INT, _INT, _VOID]
             self._propagate.restype = _INT
@@ -75,7 +78,7 @@ class Kernel:
                               workspace or None, stream))
 
     def propagate_nonfinite(self, e: int, b: int, d: int, m: int, n: int, k: int, stream: int) -> None:
-        """The pass a 2:4 GEMM runs after its product so that NaN and Inf of x reach y as in dense
+        """The pass a 2:4 GEMM or BSR kernel runs after its product so that NaN and Inf of x reach y as in dense
         F.linear (``gemm`` already runs it; exposed so benchmarks can time it alone)."""
         self._check(self._propagate(e, b, d, m, n, k, stream))
 

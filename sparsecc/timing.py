@@ -40,12 +40,12 @@ MAX_COPIES = 32
 def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bool = False,
                 planned_m: int | None = None) -> Callable[[], torch.Tensor]:
     """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows, with
-    ``weight`` packed in ``spec`` as compile would pack it: for sparsecc's 2:4 kernels when
-    ``on_kernel`` (the small-batch layout if ``planned_m`` is 1), else the portable layout.
+    ``weight`` packed in ``spec`` as compile would pack it: for sparsecc's kernels when
+    ``on_kernel`` (2:4: the small-batch layout if ``planned_m`` is 1; BSR), else the portable layout.
     ``run.copies`` is how many weight copies (see :data:`ROTATE_BYTES`) its calls cycle through."""
     if on_kernel:
-        from .gpu import pack_24_for
-        packed = pack_24_for(weight, planned_m if planned_m is not None else m)
+        from .kernel_packing import pack_for_kernels
+        packed = pack_for_kernels(weight, spec, planned_m if planned_m is not None else m)
     else:
         packed = pack(weight, spec)
     op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]

@@ -230,11 +230,11 @@ def test_kernel_build_failure_raises_or_falls_back(monkeypatch, gen):
     reason in the plan) when SPARSECC_ON_BUILD_ERROR=fallback."""
     from sparsecc.errors import KernelBuildError
 
-    def broken(weight, m, progress=False):
+    def broken(weight, spec, m, progress=False):
         raise KernelBuildError("nvcc failed to compile sparsecc_x", command=["nvcc", "x.cu"], stderr="boom",
                                source_path="/tmp/x.cu")
 
-    monkeypatch.setattr(sparsecc.compiler, "pack_24_for", broken)
+    monkeypatch.setattr(sparsecc.compiler, "pack_for_kernels", broken)
     monkeypatch.setattr(CostModel, "uses_kernel", lambda self, stats, spec: spec.kind == "nm")
     model = mlp((32, 16)).eval()
     with torch.no_grad():

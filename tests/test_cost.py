@@ -93,7 +93,7 @@ def test_forced_24_says_where_it_runs(gen):
     """formats=("2:4") forces the choice; the reason still says whether sparsecc's kernel or
     torch runs it (N=20 is no multiple of 8: torch)."""
     allowed = [FormatSpec.parse("2:4")]
-    for n, says in ((20, "not sparsecc's kernel: the shape does not fit it"), (64, "sparsecc's sm90 2:4 CUTLASS kernel")):
+    for n, says in ((20, "not sparsecc's kernel: the kernels need K % 16 == 0 and N % 8 == 0"), (64, "sparsecc's sm90 2:4 CUTLASS kernel")):
         decision = _h100().decide(analyze(n_m(n, 1024, 2, 4, gen).half()), 128, allowed)
         assert str(decision.choice) == "2:4" and "formats restricts the choice" in decision.reason
         assert says in decision.reason

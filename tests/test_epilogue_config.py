@@ -60,6 +60,8 @@ def test_nonfinite_setting_reaches_the_dispatch_table(monkeypatch):
                                           (0, launch.spec.symbol, 2, 3, UNCHECKED_NONFINITE))
     assert gpu._parse_dispatch(f"0={launch.spec.symbol}:2:3") == ((0, launch.spec.symbol, 2, 3, 0),)
     dense = gpu.Launch(KernelSpec(Family.SM90_DENSE, "float16"))
-    with pytest.raises(InputError, match="sm90 2:4 GEMMs only"):
+    with pytest.raises(InputError, match="sm90 2:4 GEMMs and the BSR kernels only"):
         gpu.dispatch_string([(0, dense)], UNCHECKED_NONFINITE)
+    bsr = gpu.Launch(KernelSpec(Family.BSR_SM90, "float16"))
+    assert gpu.dispatch_string([(0, bsr)], UNCHECKED_NONFINITE).endswith(f":{UNCHECKED_NONFINITE}")
     assert UNCHECKED_NONFINITE > max(ACTIVATION_CODES.values())

@@ -1,0 +1,20 @@
+"""How compile packs a site that runs on sparsecc's own kernels: one place, so that timing
+(calibration, the CPU's confirmation) measures exactly what a compiled model runs."""
+from __future__ import annotations
+
+import torch
+
+from .bsr_kernel import BsrKernelWeight
+from .errors import InputError
+from .formats import NM_2_4, FormatSpec, PackedWeight
+from .gpu import pack_24_for
+
+
+def pack_for_kernels(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, progress: bool = False) -> PackedWeight:
+    """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known):
+    2:4 for the small-batch kernels or the CUTLASS GEMMs, BSR for the BSR kernels."""
+    if spec == NM_2_4:
+        return pack_24_for(weight, m, progress=progress)
+    if spec.kind == "bsr" and spec.block is not None:
+        return BsrKernelWeight.from_dense(weight, spec.block, progress=progress)
+    raise InputError(f"sparsecc has no kernel for {spec}")

@@ -1,0 +1,90 @@
+"""The BSR kernels' weight layout and dispatch (sparsecc.bsr_kernel), on the CPU: exact
+round trips, the layout the template reads, the longest-first order, refusals, and the cost
+model's view of a BSR site where the kernels run."""
+import pytest
+import torch
+
+from sparsecc.analysis import analyze
+from sparsecc.bsr_kernel import DEFAULT_TILE_M, BsrKernelWeight, block_supported, dispatch, tile_m_for
+from sparsecc.codegen import TILES, Family, KernelSpec
+from sparsecc.cost import CostModel
+from sparsecc.errors import FormatError, InputError
+from sparsecc.formats import FormatSpec
+from sparsecc.gpu import M_BUCKETS
+
+from conftest import block_sparse
+
+
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 16), (128, 32)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pack_round_trips_and_keeps_each_block_row_together(block, dtype, gen):
+    h, w = block
+    weight = block_sparse(6 * h, 9 * w, block, 0.35, gen, dtype)
+    weight[2 * h:3 * h] = 0                                     # an empty block row
+    packed = BsrKernelWeight.pack(weight, block)
+    assert torch.equal(packed.to_dense(), weight)
+    row_ptr, col = packed.row_ptr.long(), packed.col.long()
+    assert row_ptr[3] == row_ptr[2]
+    for r in range(6):                                          # what the kernel reads for block row r
+        start, end = row_ptr[r].item(), row_ptr[r + 1].item()
+        stored = packed.values[start * h * w:end * h * w].reshape(h, (end - start) * w)
+        expected = [weight[r * h:(r + 1) * h, c * w:(c + 1) * w] for c in col[start:end].tolist()]
+        assert torch.equal(stored, torch.cat(expected, 1) if expected else stored)
+        assert col[start:end].diff().gt(0).all()
+    assert packed.metadata.dtype == torch.int32
+    assert packed.nbytes == packed.values.numel() * weight.element_size() + packed.metadata.numel() * 4
+    assert packed.spec == FormatSpec("bsr", block=block)
+
+
+def test_order_runs_the_longest_block_rows_first(gen):
+    weight = block_sparse(8 * 16, 12 * 16, (16, 16), 0.3, gen)
+    weight[5 * 16:6 * 16] = 1.0                                 # a full block row
+    packed = BsrKernelWeight.pack(weight, (16, 16))
+    lengths = (packed.row_ptr[1:] - packed.row_ptr[:-1])[packed.order.long()]
+    assert packed.order[0] == 5 and lengths.diff().le(0).all()
+    assert sorted(packed.order.tolist()) == list(range(8))
+
+
+def test_empty_and_full_weights(gen):
+    empty = BsrKernelWeight.pack(torch.zeros(64, 32), (32, 32))
+    assert empty.values.numel() == 0 and torch.equal(empty.to_dense(), torch.zeros(64, 32))
+    full = torch.randn(64, 64, generator=gen)
+    assert torch.equal(BsrKernelWeight.pack(full, (32, 16)).to_dense(), full)
+
+
+def test_refusals():
+    with pytest.raises(FormatError, match="does not divide"):
+        BsrKernelWeight.pack(torch.ones(48, 64), (32, 32))
+    with pytest.raises(InputError, match="GPU"):
+        BsrKernelWeight.from_dense(torch.ones(64, 64, dtype=torch.float16), (32, 32))
+    assert "sides" in block_supported((8, 32), torch.float16)
+    assert "float16/bfloat16" in block_supported((32, 32), torch.float32)
+    assert block_supported((16, 128), torch.bfloat16) is None
+
+
+def test_dispatch_has_a_kernel_per_bucket_for_every_block():
+    for h in (16, 32, 64, 128):
+        for w in (16, 32, 64, 128):
+            table = dispatch(torch.float16, (h, w))
+            assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
+            assert all(launch.spec.tile in TILES[Family.BSR_SM90] and launch.spec.tile[:2] == (h, w)
+                       for _, launch in table)
+    assert tile_m_for(1) == DEFAULT_TILE_M[1] and tile_m_for(100_000) == DEFAULT_TILE_M[0]
+    with pytest.raises(InputError):
+        KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 128), transpose_out=True)
+    assert KernelSpec(Family.BSR_SM90, "bfloat16", tile=(16, 64, 128)).symbol == "sparsecc_bsr_sm90_bf16_b16x64_m128"
+
+
+def test_cost_model_runs_block_sparse_on_the_kernel_where_it_can(gen):
+    """With kernels available, BSR with a supported block runs on sparsecc's kernel and the
+    plan says so; a float32 weight stays on torch's path and the reason says why."""
+    weight = block_sparse(512, 512, (64, 64), 0.1, gen, torch.float16)
+    model = CostModel("cuda", calibration=None, kernels_unavailable=None)
+    spec = FormatSpec("bsr", block=(64, 64))
+    stats = analyze(weight, extra_blocks=((64, 64),))
+    assert model.runs_on(stats, spec, 2048) == "bsr-kernel"
+    decision = model.decide(stats, 2048, [spec])
+    assert decision.choice == spec and "sparsecc's BSR kernel" in decision.reason
+    stats32 = analyze(weight.float(), extra_blocks=((64, 64),))
+    assert model.runs_on(stats32, spec, 2048) != "bsr-kernel"
+    assert "float16/bfloat16" in model.decide(stats32, 2048, [spec]).reason

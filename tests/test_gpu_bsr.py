@@ -1,0 +1,167 @@
+"""The BSR tensor-core kernels on the GPU (skipped without a Hopper GPU and nvcc): every
+block shape the benchmarks and the plans use, against an fp64 reference, with random block
+patterns, empty block rows, a fully empty and a fully dense weight, every activation, odd
+batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model."""
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsecc
+from sparsecc import gpu, runtime
+from sparsecc.bsr_kernel import BsrKernelWeight, dispatch
+from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
+
+from conftest import TOLERANCE, block_sparse, rel_error
+from test_bad_input import assert_same_nonfinite, ieee_reference
+from test_gpu_kernels import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or gpu.kernels_unavailable(torch.device("cuda")) is not None,
+    reason=f"needs a Hopper GPU and nvcc: {gpu.kernels_unavailable(torch.device('cuda')) if torch.cuda.is_available() else 'no CUDA'}")]
+
+DTYPES = [torch.float16, torch.bfloat16]
+BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (16, 64), (64, 32)]
+ROWS = [1, 7, 33, 1000]
+
+
+def weight(block, n_blocks, k_blocks, density, dtype, seed=0, empty_rows=(1,)):
+    """A block-sparse weight scaled like a trained layer's; the listed block rows are empty."""
+    h, w = block
+    gen = torch.Generator().manual_seed(seed)
+    dense = block_sparse(h * n_blocks, w * k_blocks, block, density, gen) / (w * k_blocks) ** 0.5
+    for row in empty_rows:
+        dense[row * h:(row + 1) * h] = 0
+    return dense.to(dtype).cuda()
+
+
+def run(packed, x, bias=None, activation="none", x_transposed=False, transpose_out=False):
+    return packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, activation,
+                     x_transposed, transpose_out, *packed.extra_args)
+
+
+def run_poisoned(packed, x, bias, activation, m_bound):
+    """The launch the site dispatches for ``m_bound`` rows, called directly on a NaN-filled y."""
+    kernel, *_ = gpu.kernel_for(packed.kernels, m_bound)
+    y = torch.full((x.shape[0], packed.out_features), float("nan"), dtype=x.dtype, device="cuda")
+    kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), x.data_ptr(),
+                bias.data_ptr() if bias is not None else 0, y.data_ptr(), packed.out_features, x.shape[0],
+                packed.in_features, ACTIVATION_CODES[activation], torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_every_block_and_batch_size_matches_fp64(block, dtype):
+    """Every M bucket's tiling (M = 1, 7, 33, 1000) on an odd-sized weight (5 x 7 blocks, one
+    empty block row, about 40% of blocks stored) with bias and ReLU, into a poisoned y."""
+    w = weight(block, 5, 7, 0.4, dtype)
+    packed = BsrKernelWeight.from_dense(w, block)
+    assert torch.equal(packed.to_dense(), w)
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+    for m in ROWS:
+        x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+        y = run_poisoned(packed, x, bias, "relu", m)
+        error = rel_error(y, reference(x, w, bias, "relu"))
+        assert error <= TOLERANCE[dtype], (m, error)
+        assert torch.equal(run(packed, x, bias, "relu"), y)         # the op dispatches the same launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATION_CODES))
+def test_every_activation_with_and_without_bias(activation, dtype):
+    w = weight((32, 32), 8, 12, 0.3, dtype, seed=2)
+    packed = BsrKernelWeight.from_dense(w, (32, 32))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(257, w.shape[1], generator=gen).to(dtype).cuda()
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+    for b in (None, bias):
+        error = rel_error(run(packed, x, b, activation), reference(x, w, b, activation))
+        assert error <= TOLERANCE[dtype], (activation, b is not None, error)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_empty_and_fully_dense_weights(dtype):
+    """No stored block at all: y = act(bias) everywhere; every block stored: the dense product."""
+    gen = torch.Generator().manual_seed(4)
+    bias = torch.randn(128, generator=gen).to(dtype).cuda()
+    x = torch.randn(300, 256, generator=gen).to(dtype).cuda()
+    empty = torch.zeros(128, 256, dtype=dtype, device="cuda")
+    packed = BsrKernelWeight.from_dense(empty, (64, 64))
+    assert packed.values.numel() == 0
+    assert torch.equal(run(packed, x, bias, "gelu"), reference(x, empty, bias, "gelu").to(dtype).expand(300, 128))
+    full = weight((64, 64), 2, 4, 1.0, dtype, empty_rows=())
+    packed = BsrKernelWeight.from_dense(full, (64, 64))
+    assert packed.values.numel() == full.numel()
+    assert rel_error(run(packed, x, bias, "silu"), reference(x, full, bias, "silu")) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unbalanced_block_rows(dtype):
+    """Block rows of very different lengths (one full, most nearly empty): the longest-first
+    order covers every row exactly once."""
+    h = w = 32
+    dense = weight((h, w), 24, 32, 0.05, dtype, seed=6, empty_rows=(3, 9))
+    dense[5 * h:6 * h] = (torch.randn(h, 32 * w) / (32 * w) ** 0.5).to(dtype).cuda()
+    packed = BsrKernelWeight.from_dense(dense, (h, w))
+    lengths = packed.row_ptr[1:] - packed.row_ptr[:-1]
+    assert packed.order[0].item() == 5 and lengths[packed.order.long()].diff().le(0).all()
+    x = torch.randn(2048, dense.shape[1], generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
+    assert rel_error(run(packed, x), reference(x, dense, None, "none")) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate_like_dense(dtype):
+    """A NaN or an infinity of x meets the blocks that are not stored as dense meets zeros:
+    NaN in every output of a block row that skips its block column; ±Inf against stored
+    values. Checked output by output against IEEE products; unchecked sites skip the pass."""
+    h, w = 32, 32
+    dense = weight((h, w), 6, 8, 0.4, dtype, seed=8)
+    packed = BsrKernelWeight.from_dense(dense, (h, w))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(40, dense.shape[1], generator=gen).to(dtype).cuda()
+    x[3, 5] = float("nan")
+    x[7, 100] = float("inf")
+    x[7, 200] = float("-inf")
+    x[20, 255] = float("nan")
+    bias = torch.randn(dense.shape[0], generator=gen).to(dtype).cuda()
+    got = run(packed, x, bias, "relu")
+    assert_same_nonfinite(got, ieee_reference(x, dense, bias, "relu").to(dtype), dtype)
+    unchecked = BsrKernelWeight.pack(dense, (h, w))
+    unchecked.kernels = gpu.dispatch_string(dispatch(dtype, (h, w)), UNCHECKED_NONFINITE)
+    skipped = run(unchecked, x, bias, "relu")
+    assert torch.equal(skipped[0], got[0]) and skipped[3].isnan().sum() < got[3].isnan().sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_replay_matches_eager(dtype):
+    w = weight((64, 64), 4, 6, 0.5, dtype, seed=10)
+    packed = BsrKernelWeight.from_dense(w, (64, 64))
+    x = torch.randn(96, w.shape[1], generator=torch.Generator().manual_seed(11)).to(dtype).cuda()
+    eager = run(packed, x, None, "gelu_tanh")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(packed, x, None, "gelu_tanh")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run(packed, x, None, "gelu_tanh")) and not torch.equal(captured, eager)
+
+
+def test_compile_runs_block_sparse_sites_on_the_kernel():
+    """sparsecc.compile with formats=('bsr64',) packs a block-sparse MLP for the BSR kernels
+    (the plan says so) and matches the eager model."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 256)).half().cuda().eval()
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            layer.weight.copy_(weight((64, 64), layer.out_features // 64, layer.in_features // 64, 0.25,
+                                      torch.float16, seed=layer.in_features))
+    x = torch.randn(64, 512, dtype=torch.float16, device="cuda")
+    compiled = sparsecc.compile(model, (x,), formats=("bsr64",))
+    plan = compiled.sparsecc_plan
+    assert all(site.choice == "bsr64x64" and "BSR kernel" in site.reason for site in plan), plan.table()
+    with torch.no_grad():
+        assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float16]
+    assert any(name.startswith("sparsecc_bsr_sm90") for name in runtime.loaded())

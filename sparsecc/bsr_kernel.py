@@ -20,8 +20,8 @@ import torch
 
 from . import runtime
 from .codegen import BSR_BLOCK_SIDES, Family, KernelSpec
-from .errors import FormatError, InputError
-from .formats import INDEX_DTYPE, FormatSpec
+from .errors import InputError
+from .formats import INDEX_DTYPE, BSRWeight, FormatSpec
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string, nonfinite_flags
 
 #: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> tile M):
@@ -81,25 +81,17 @@ class BsrKernelWeight(KernelWeight):
     def pack(cls, weight: torch.Tensor, block: tuple[int, int]) -> "BsrKernelWeight":
         """The layout alone (any device, any dtype): exact for every weight whose shape the
         block divides; a block is stored if any of its entries is non-zero."""
-        if weight.dim() != 2:
-            raise FormatError(f"a weight must be 2-D, got shape {tuple(weight.shape)}")
         h, w = block
-        n, k = weight.shape
-        if n % h or k % w:
-            raise FormatError(f"a {n}x{k} weight does not divide into {h}x{w} blocks")
-        weight = weight.detach()
-        rows, columns = n // h, k // w
-        blocks = weight.reshape(rows, h, columns, w).permute(0, 2, 1, 3)      # [R, C, h, w]
-        present = blocks.ne(0).any(-1).any(-1)                                  # [R, C]
-        lengths = present.sum(1)
-        row_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=weight.device)
-        row_ptr[1:] = lengths.cumsum(0)
-        block_row, block_col = present.nonzero(as_tuple=True)                  # row-major: sorted by row, column
+        portable = BSRWeight.from_dense(weight, block)       # crow, col, values [blocks, h, w] in row order
+        row_ptr = portable.crow.long()
+        lengths = row_ptr[1:] - row_ptr[:-1]
+        block_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=row_ptr.device), lengths)
         destination = _value_positions(row_ptr, lengths, block_row, h, w)
-        values = weight.new_empty(int(row_ptr[-1]) * h * w)
-        values[destination.reshape(-1)] = blocks[block_row, block_col].reshape(-1)
+        values = portable.values.new_empty(portable.values.numel())
+        values[destination.reshape(-1)] = portable.values.reshape(-1)
         order = torch.sort(lengths, descending=True, stable=True).indices
-        metadata = torch.cat([row_ptr, order, block_col]).to(INDEX_DTYPE).contiguous()
+        metadata = torch.cat([row_ptr, order, portable.col.long()]).to(INDEX_DTYPE).contiguous()
+        n, k = portable.shape
         return cls(values, metadata, n, k, block=(h, w))
 
     @classmethod

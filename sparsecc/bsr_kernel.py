@@ -1,16 +1,18 @@
-"""Block-sparse (BSR) weights on sparsecc's tensor-core kernels (templates/bsr_sm90.cu.j2).
+"""Block-sparse (BSR) weights on sparsecc's tensor-core kernels (templates/bsr_sm90*.cu.j2).
 
-The kernel computes one block row of W against a tile of x's rows per CTA, looping over the
-stored blocks only, so the packed layout keeps each block row's stored columns together:
+The kernels compute one block row of W against a tile of x's rows per CTA, looping over the
+stored blocks only. The packed layout is the portable BSR one with the block rows ordered
+for balance:
 
-- ``values``: block row after block row, each ``[h, blocks_in_row * w]`` row-major (the
-  row's stored blocks side by side, in increasing block column);
+- ``values``: ``[blocks, h, w]``, each stored block row-major, block row after block row and
+  by increasing block column within a row (the wgmma kernel loads each block with one TMA
+  box of a ``[blocks * h, w]`` view);
 - ``metadata`` (int32): ``row_ptr [R + 1]`` (stored blocks before each block row),
-  ``order [R]`` (block rows by decreasing length: the kernel starts the longest first, a
+  ``order [R]`` (block rows by decreasing length: the kernels start the longest first, a
   greedy balance across SMs), ``col [blocks]`` (the block column of each stored block).
 
 Packing is torch ops on any device and round-trips exactly; :meth:`BsrKernelWeight.from_dense`
-also loads the kernels of the site's dispatch table (one tiling per batch-size bucket).
+also loads the kernels of the site's dispatch table (one kernel per batch-size bucket).
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from .errors import InputError
 from .formats import INDEX_DTYPE, BSRWeight, FormatSpec
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string, nonfinite_flags
 
-#: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> tile M):
-#: a 16-row tile for decode-sized batches, 128 rows once there are enough rows to share a
-#: block's loads (tuned by benchmarks/kernels.py --bsr)
-DEFAULT_TILE_M = {1: 16, 16: 16, 128: 64, 2048: 128, 0: 128}
+#: the kernel for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> family, rows of x
+#: per CTA): the cp.async kernel's 16-row tile for one row (it reads fewer bytes than the
+#: wgmma kernel's TMA boxes there), the wgmma kernel above, 64 rows per CTA up to 128 and 128
+#: rows beyond (measured on an H100: 2 to 16 rows run 0-30% faster on the wgmma kernel)
+DEFAULT_KERNEL = {1: (Family.BSR_SM90, 16), 16: (Family.BSR_SM90_WGMMA, 64), 128: (Family.BSR_SM90_WGMMA, 64),
+                  2048: (Family.BSR_SM90_WGMMA, 128), 0: (Family.BSR_SM90_WGMMA, 128)}
 
 
 def block_supported(block: tuple[int, int], dtype: torch.dtype) -> str | None:
@@ -42,13 +46,18 @@ def block_supported(block: tuple[int, int], dtype: torch.dtype) -> str | None:
 def dispatch(dtype: torch.dtype, block: tuple[int, int]) -> list[tuple[int, Launch]]:
     """The BSR launch per M bucket for a weight with this block."""
     name = str(dtype).replace("torch.", "")
-    return [(bound, Launch(KernelSpec(Family.BSR_SM90, name, tile=(*block, DEFAULT_TILE_M[bound]))))
+    return [(bound, Launch(KernelSpec(DEFAULT_KERNEL[bound][0], name, tile=(*block, DEFAULT_KERNEL[bound][1]))))
             for bound, _ in M_BUCKETS]
+
+
+def kernel_for_rows(m: int) -> tuple[Family, int]:
+    """The family and rows of x per CTA that :func:`dispatch` runs M rows with."""
+    return next(DEFAULT_KERNEL[bound] for bound, _ in M_BUCKETS if bound == 0 or m <= bound)
 
 
 def tile_m_for(m: int) -> int:
     """Rows of x per CTA that :func:`dispatch` runs M rows with."""
-    return next(DEFAULT_TILE_M[bound] for bound, _ in M_BUCKETS if bound == 0 or m <= bound)
+    return kernel_for_rows(m)[1]
 
 
 @dataclass
@@ -81,18 +90,12 @@ class BsrKernelWeight(KernelWeight):
     def pack(cls, weight: torch.Tensor, block: tuple[int, int]) -> "BsrKernelWeight":
         """The layout alone (any device, any dtype): exact for every weight whose shape the
         block divides; a block is stored if any of its entries is non-zero."""
-        h, w = block
         portable = BSRWeight.from_dense(weight, block)       # crow, col, values [blocks, h, w] in row order
-        row_ptr = portable.crow.long()
-        lengths = row_ptr[1:] - row_ptr[:-1]
-        block_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=row_ptr.device), lengths)
-        destination = _value_positions(row_ptr, lengths, block_row, h, w)
-        values = portable.values.new_empty(portable.values.numel())
-        values[destination.reshape(-1)] = portable.values.reshape(-1)
+        lengths = portable.crow[1:] - portable.crow[:-1]
         order = torch.sort(lengths, descending=True, stable=True).indices
-        metadata = torch.cat([row_ptr, order, portable.col.long()]).to(INDEX_DTYPE).contiguous()
+        metadata = torch.cat([portable.crow, order.to(INDEX_DTYPE), portable.col]).to(INDEX_DTYPE).contiguous()
         n, k = portable.shape
-        return cls(values, metadata, n, k, block=(h, w))
+        return cls(portable.values, metadata, n, k, block=tuple(block))
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, block: tuple[int, int], *, progress: bool = False) -> "BsrKernelWeight":
@@ -109,24 +112,5 @@ class BsrKernelWeight(KernelWeight):
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly (every value goes back to its position)."""
-        h, w = self.block
-        row_ptr = self.row_ptr.long()
-        lengths = row_ptr[1:] - row_ptr[:-1]
-        block_row = torch.repeat_interleave(torch.arange(self.block_rows, device=row_ptr.device), lengths)
-        source = _value_positions(row_ptr, lengths, block_row, h, w)
-        dense = self.values.new_zeros(self.block_rows, self.in_features // w, h, w)
-        dense[block_row, self.col.long()] = self.values[source.reshape(-1)].reshape(-1, h, w)
-        return dense.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
-
-
-def _value_positions(row_ptr: torch.Tensor, lengths: torch.Tensor, block_row: torch.Tensor, h: int, w: int):
-    """[blocks, h, w]: where each element of each stored block (in row-major block order)
-    sits in ``values``: block j of row r, element (i, l) at
-    ``row_ptr[r] * h * w + i * lengths[r] * w + j * w + l``."""
-    first = row_ptr[:-1][block_row]
-    within = torch.arange(block_row.numel(), device=row_ptr.device) - first
-    base = first * h * w + within * w
-    pitch = lengths[block_row] * w
-    i = torch.arange(h, device=row_ptr.device)
-    lane = torch.arange(w, device=row_ptr.device)
-    return base[:, None, None] + i[None, :, None] * pitch[:, None, None] + lane[None, None, :]
+        return BSRWeight(self.row_ptr, self.col, self.values.reshape(-1, *self.block),
+                         self.out_features, self.in_features).to_dense()

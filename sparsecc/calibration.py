@@ -36,7 +36,8 @@ log = logging.getLogger("sparsecc")
 #: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
 #: no BSR kernel for the dtype or block, sparsecc.ops' batched block products), sparsecc's
 #: BSR kernel and torch's CSR product
-IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "csr")
+IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
+         "csr")
 #: streaming multiprocessors assumed when no GPU is present to ask (an H100 SXM)
 DEFAULT_SMS = 132
 CALIBRATION_VERSION = 1
@@ -84,17 +85,19 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
         kept = n * k * w.density
         return 2.0 * m * n * k, kept * (e + 1) + 2 * n * k * e + act
-    if w.impl == "bsr-kernel":
-        # stored blocks only, x's rows padded to the tile. Its loads bound it (measured on an
-        # H100: a copy-only variant takes as long as the kernel): every block row gathers its
-        # columns of x again, and every tile of x's rows reads the stored blocks again; the
-        # NaN pass reads x once more
+    if w.impl in ("bsr-kernel", "bsr-kernel-small"):
+        # stored blocks only, x's rows padded to the tile. Loads bound both kernels (wgmma with
+        # TMA loads above 16 rows, the cp.async one below): every block row gathers its columns
+        # of x again, and every tile of x's rows reads the stored blocks again; the NaN pass
+        # reads x once more
         h, bw = w.block or (32, 32)
         tile_m = (w.tile or (h, 128))[1]
         stored = (w.block_density if w.block_density is not None else w.density) * n * k
         tiles = math.ceil(m / tile_m)
         gathered = m * stored / h * e + tiles * stored * e
-        return 2.0 * tiles * tile_m * stored, gathered + m * n * e + m * k * e
+        # an MMA narrower than 64 outputs (the block's rows) issues as slowly as a 64-wide one
+        narrow = max(1.0, 64 / h) if w.impl == "bsr-kernel" else 1.0
+        return 2.0 * tiles * tile_m * stored * narrow, gathered + m * n * e + m * k * e
     wide = 4 if e < 4 else e       # torch's sparse products run 16-bit inputs in fp32
     if w.impl in ("bsr", "bsr-bmm"):
         h, bw = w.block or (32, 32)
@@ -336,6 +339,7 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
         for block in (16, 32, 64):
             for density in (0.5, 0.1):
                 probes += [Probe(4096, 4096, f"block{block}", density, f"bsr{block}", m) for m in (1, 64, 2048)]
+        probes += [Probe(4096, 4096, "block64", density, "bsr64", 8192) for density in (0.5, 0.1)]
         for density in (0.5, 0.1):       # non-square blocks: sparsecc.ops' block products
             probes += [Probe(4096, 4096, "block32x64", density, "bsr32x64", m) for m in (1, 64, 2048)]
         for density in (0.3, 0.05, 0.01):

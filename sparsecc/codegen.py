@@ -29,6 +29,7 @@ class Family(str, enum.Enum):
     SM80_DENSE = "gemm_sm80_dense"
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
     BSR_SM90 = "bsr_sm90"
+    BSR_SM90_WGMMA = "bsr_sm90_wgmma"
 
     @property
     def arch(self) -> str:
@@ -87,6 +88,8 @@ TILES = {
 #: BSR block sizes (rows, columns) the kernels take, square or not
 BSR_BLOCK_SIDES = (16, 32, 64, 128)
 BSR_TILE_M = (16, 32, 64, 128)
+#: rows of x per CTA of the wgmma BSR kernel: one consumer warpgroup of 64 rows, or two
+BSR_WGMMA_TILE_M = (64, 128, 256)
 
 
 def bsr_warps(block_rows: int, tile_m: int) -> tuple[int, int] | None:
@@ -102,11 +105,12 @@ def bsr_warps(block_rows: int, tile_m: int) -> tuple[int, int] | None:
 # (block rows, block columns, rows of x per CTA)
 TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_TILE_M
                           if bsr_warps(h, m) is not None}
+TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_WGMMA_TILE_M}
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
-                Family.BSR_SM90: (64, 64, 128)}
+                Family.BSR_SM90: (64, 64, 128), Family.BSR_SM90_WGMMA: (64, 64, 128)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 

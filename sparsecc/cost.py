@@ -61,7 +61,7 @@ _FALLBACK_FITS = {
     "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
              "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
              "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0),
-             "bsr-kernel": calib.Fit(8.0, 350e12, 2.2e12, 4.0)},
+             "bsr-kernel": calib.Fit(8.0, 450e12, 6e12, 4.0), "bsr-kernel-small": calib.Fit(8.0, 350e12, 2.2e12, 4.0)},
     "cpu": {"dense": calib.Fit(10.0, 100e9, 20e9, 2.0), "nm-unpack": calib.Fit(20.0, 100e9, 10e9, 1.0),
             "bsr": calib.Fit(30.0, 30e9, 10e9, 2.0), "bsr-bmm": calib.Fit(60.0, 20e9, 10e9, 1.0),
             "csr": calib.Fit(30.0, 12e9, 10e9, 2.0)},
@@ -238,9 +238,12 @@ class CostModel:
             from .codegen import Family
             from .gpu import kernel_tile
             fields["tile"] = kernel_tile(Family.SM90_SPARSE24, getattr(torch, stats.dtype), n_rows, k, m)
-        if impl == "bsr-kernel":
-            from .bsr_kernel import tile_m_for
-            fields["tile"] = (spec.block[0], tile_m_for(m))
+        if impl == "bsr-kernel":         # the site's dispatch table picks the kernel by the call's M
+            from .bsr_kernel import kernel_for_rows
+            from .codegen import Family
+            family, tile_m = kernel_for_rows(m)
+            fields.update(impl="bsr-kernel" if family is Family.BSR_SM90_WGMMA else "bsr-kernel-small",
+                          tile=(spec.block[0], tile_m))
         return calib.Workload(**fields)
 
     def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> float:

@@ -10,7 +10,7 @@ measurement mean the same thing.
   to back (host overhead removed, as under ``mode="reduce-overhead"``), cycling through
   enough copies of the weight that it is read from memory, not the L2 cache. An op that cannot be
   captured (torch's BSR and CSR paths read a value back to the host: see
-  :data:`HOST_SYNCING_KINDS`) is timed eagerly with a synchronisation per call, which is what
+  :data:`HOST_SYNCING_KINDS`; sparsecc's BSR kernels do not) is timed eagerly with a synchronisation per call, which is what
   it costs in a model.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bo
 
     def run():
         return op(*next(turn))
-    run.capturable = packed.spec.kind not in HOST_SYNCING_KINDS
+    run.capturable = on_kernel or packed.spec.kind not in HOST_SYNCING_KINDS   # sparsecc's kernels never sync
     run.copies = copies
     run.x = x               # every copy holds the same values
     return run

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparsecc.analysis import analyze
-from sparsecc.bsr_kernel import DEFAULT_TILE_M, BsrKernelWeight, block_supported, dispatch, tile_m_for
+from sparsecc.bsr_kernel import DEFAULT_KERNEL, BsrKernelWeight, block_supported, dispatch, tile_m_for
 from sparsecc.codegen import TILES, Family, KernelSpec
 from sparsecc.cost import CostModel
 from sparsecc.errors import FormatError, InputError
@@ -17,7 +17,7 @@ from conftest import block_sparse
 
 @pytest.mark.parametrize("block", [(16, 16), (32, 64), (64, 16), (128, 32)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_pack_round_trips_and_keeps_each_block_row_together(block, dtype, gen):
+def test_pack_round_trips_and_stores_blocks_in_row_order(block, dtype, gen):
     h, w = block
     weight = block_sparse(6 * h, 9 * w, block, 0.35, gen, dtype)
     weight[2 * h:3 * h] = 0                                     # an empty block row
@@ -25,11 +25,11 @@ def test_pack_round_trips_and_keeps_each_block_row_together(block, dtype, gen):
     assert torch.equal(packed.to_dense(), weight)
     row_ptr, col = packed.row_ptr.long(), packed.col.long()
     assert row_ptr[3] == row_ptr[2]
-    for r in range(6):                                          # what the kernel reads for block row r
+    stacked = packed.values.reshape(-1, w)                      # the wgmma kernel's TMA view [blocks * h, w]
+    for r in range(6):                                          # what the kernels read for block row r
         start, end = row_ptr[r].item(), row_ptr[r + 1].item()
-        stored = packed.values[start * h * w:end * h * w].reshape(h, (end - start) * w)
-        expected = [weight[r * h:(r + 1) * h, c * w:(c + 1) * w] for c in col[start:end].tolist()]
-        assert torch.equal(stored, torch.cat(expected, 1) if expected else stored)
+        for j, c in zip(range(start, end), col[start:end].tolist()):
+            assert torch.equal(stacked[j * h:(j + 1) * h], weight[r * h:(r + 1) * h, c * w:(c + 1) * w])
         assert col[start:end].diff().gt(0).all()
     assert packed.metadata.dtype == torch.int32
     assert packed.nbytes == packed.values.numel() * weight.element_size() + packed.metadata.numel() * 4
@@ -67,12 +67,16 @@ def test_dispatch_has_a_kernel_per_bucket_for_every_block():
         for w in (16, 32, 64, 128):
             table = dispatch(torch.float16, (h, w))
             assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
-            assert all(launch.spec.tile in TILES[Family.BSR_SM90] and launch.spec.tile[:2] == (h, w)
-                       for _, launch in table)
-    assert tile_m_for(1) == DEFAULT_TILE_M[1] and tile_m_for(100_000) == DEFAULT_TILE_M[0]
+            assert all(launch.spec.family.bsr and launch.spec.tile in TILES[launch.spec.family]
+                       and launch.spec.tile[:2] == (h, w) for _, launch in table)
+    assert tile_m_for(1) == DEFAULT_KERNEL[1][1] and tile_m_for(100_000) == DEFAULT_KERNEL[0][1]
     with pytest.raises(InputError):
         KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 128), transpose_out=True)
     assert KernelSpec(Family.BSR_SM90, "bfloat16", tile=(16, 64, 128)).symbol == "sparsecc_bsr_sm90_bf16_b16x64_m128"
+    with pytest.raises(InputError, match="tile"):
+        KernelSpec(Family.BSR_SM90_WGMMA, "float16", tile=(64, 64, 32))    # a warpgroup takes 64 rows of x
+    assert (KernelSpec(Family.BSR_SM90_WGMMA, "float16", tile=(128, 32, 256)).symbol
+            == "sparsecc_bsr_sm90_wgmma_f16_b128x32_m256")
 
 
 def test_cost_model_runs_block_sparse_on_the_kernel_where_it_can(gen):

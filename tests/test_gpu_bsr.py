@@ -1,7 +1,9 @@
 """The BSR tensor-core kernels on the GPU (skipped without a Hopper GPU and nvcc): every
 block shape the benchmarks and the plans use, against an fp64 reference, with random block
 patterns, empty block rows, a fully empty and a fully dense weight, every activation, odd
-batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model."""
+batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model. The
+dispatch runs the cp.async kernel (bsr_sm90) for M = 1 and the wgmma kernel
+(bsr_sm90_wgmma) above, so the batch sizes below cover both."""
 import pytest
 import torch
 import torch.nn as nn
@@ -9,6 +11,7 @@ import torch.nn as nn
 import sparsecc
 from sparsecc import gpu, runtime
 from sparsecc.bsr_kernel import BsrKernelWeight, dispatch
+from sparsecc.codegen import Family, KernelSpec
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
 
 from conftest import TOLERANCE, block_sparse, rel_error
@@ -66,6 +69,26 @@ def test_every_block_and_batch_size_matches_fp64(block, dtype):
         error = rel_error(y, reference(x, w, bias, "relu"))
         assert error <= TOLERANCE[dtype], (m, error)
         assert torch.equal(run(packed, x, bias, "relu"), y)         # the op dispatches the same launch
+
+
+@pytest.mark.parametrize("block,tile_m,dtype", [
+    ((64, 64), 256, torch.float16), ((128, 128), 256, torch.bfloat16), ((16, 16), 64, torch.bfloat16),
+    ((32, 128), 128, torch.float16), ((128, 16), 64, torch.float16)], ids=str)
+def test_wgmma_tiles_the_dispatch_does_not_use(block, tile_m, dtype):
+    """The wgmma kernel's other tilings (256 rows of x: two warpgroups of 128; 64 rows: one;
+    blocks wider than a 64-column TMA box), each on its own over batch sizes that leave
+    partial tiles."""
+    w = weight(block, 5, 7, 0.4, dtype, seed=13)
+    spec = KernelSpec(Family.BSR_SM90_WGMMA, str(dtype).replace("torch.", ""), tile=(*block, tile_m))
+    runtime.ensure([spec], progress=False)
+    packed = BsrKernelWeight.pack(w, block)
+    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec))])
+    gen = torch.Generator().manual_seed(14)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+    for m in (1, 100, 300, 1000):
+        x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+        error = rel_error(run_poisoned(packed, x, bias, "gelu", m), reference(x, w, bias, "gelu"))
+        assert error <= TOLERANCE[dtype], (m, error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,3 +188,16 @@ def test_compile_runs_block_sparse_sites_on_the_kernel():
     with torch.no_grad():
         assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float16]
     assert any(name.startswith("sparsecc_bsr_sm90") for name in runtime.loaded())
+
+
+def test_calibration_times_the_kernels_under_graph_replay():
+    """sparsecc's BSR kernels never read a value back to the host, so the cost model's timing
+    captures them in a CUDA graph like the 2:4 kernels (torch's BSR path is timed eagerly)."""
+    from sparsecc.formats import FormatSpec
+    from sparsecc.timing import site_runner, time_us
+    w = weight((64, 64), 8, 8, 0.25, torch.float16, seed=15)
+    spec = FormatSpec("bsr", block=(64, 64))
+    on_kernel = site_runner(w, spec, 64, on_kernel=True)
+    assert on_kernel.capturable and not site_runner(w, spec, 64).capturable
+    assert rel_error(on_kernel(), reference(on_kernel.x, w, None, "none")) <= TOLERANCE[torch.float16]
+    assert 0 < time_us(on_kernel, "cuda") < 1000

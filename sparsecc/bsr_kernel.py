@@ -56,11 +56,6 @@ def kernel_for_rows(m: int) -> tuple[Family, int]:
     return next(DEFAULT_KERNEL[bound] for bound, _ in M_BUCKETS if bound == 0 or m <= bound)
 
 
-def tile_m_for(m: int) -> int:
-    """Rows of x per CTA that :func:`dispatch` runs M rows with."""
-    return kernel_for_rows(m)[1]
-
-
 @dataclass
 class BsrKernelWeight(KernelWeight):
     """A block-sparse weight in the layout of the BSR kernels (see the module docstring)."""
@@ -94,7 +89,7 @@ class BsrKernelWeight(KernelWeight):
         portable = BSRWeight.from_dense(weight, block)       # crow, col, values [blocks, h, w] in row order
         lengths = portable.crow[1:] - portable.crow[:-1]
         order = torch.sort(lengths, descending=True, stable=True).indices
-        metadata = torch.cat([portable.crow, order.to(INDEX_DTYPE), portable.col]).to(INDEX_DTYPE).contiguous()
+        metadata = torch.cat([portable.crow, order.to(INDEX_DTYPE), portable.col])
         n, k = portable.shape
         return cls(portable.values, metadata, n, k, block=tuple(block))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparsecc.analysis import analyze
-from sparsecc.bsr_kernel import DEFAULT_KERNEL, BsrKernelWeight, block_supported, dispatch, tile_m_for
+from sparsecc.bsr_kernel import DEFAULT_KERNEL, BsrKernelWeight, block_supported, dispatch, kernel_for_rows
 from sparsecc.codegen import TILES, Family, KernelSpec
 from sparsecc.cost import CostModel
 from sparsecc.errors import FormatError, InputError
@@ -69,7 +69,7 @@ def test_dispatch_has_a_kernel_per_bucket_for_every_block():
             assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
             assert all(launch.spec.family.bsr and launch.spec.tile in TILES[launch.spec.family]
                        and launch.spec.tile[:2] == (h, w) for _, launch in table)
-    assert tile_m_for(1) == DEFAULT_KERNEL[1][1] and tile_m_for(100_000) == DEFAULT_KERNEL[0][1]
+    assert kernel_for_rows(1) == DEFAULT_KERNEL[1] and kernel_for_rows(100_000) == DEFAULT_KERNEL[0]
     with pytest.raises(InputError):
         KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 128), transpose_out=True)
     assert KernelSpec(Family.BSR_SM90, "bfloat16", tile=(16, 64, 128)).symbol == "sparsecc_bsr_sm90_bf16_b16x64_m128"

@@ -46,7 +46,9 @@ def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.T
     if act is Activation.RELU:
         return F.relu(y)
     if act is Activation.GELU:
-        return F.gelu(y)
+        # GELU(+Inf) = +Inf, as in fp64 and the kernels' epilogue: torch 2.13's vectorised
+        # float32 erf GELU gives NaN there on some CPUs (AVX-512)
+        return torch.where(y == float("inf"), y, F.gelu(y))
     if act is Activation.GELU_TANH:
         return F.gelu(y, approximate="tanh")
     return F.silu(y)

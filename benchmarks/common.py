@@ -48,3 +48,25 @@ def write(result: dict, *, stem: str | None = None) -> Path:
     path = RESULTS / f"{stem or result['bench']}-{gpu}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def plot_per_dtype(result: dict, path, draw, *, xlabel: str, title: str) -> None:
+    """One log-log panel per dtype of ``result``: ``draw(ax, dtype)`` plots the curves, this
+    adds the 1.0 line, the labels and the environment, and saves the figure to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    dtypes = sorted({r["dtype"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 5), sharey=True, squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        draw(ax, dtype)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{dtype}: {title}")
+    axes[0][0].set_ylabel("speedup")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

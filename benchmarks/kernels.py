@@ -19,6 +19,7 @@ and a plot beside it.
 
     python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH]
     python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
+    python benchmarks/kernels.py --csr [kernels_csr.py options]    # the unstructured kernel
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def main(argv=None) -> dict:
     if "--bsr" in argv:
         import kernels_bsr
         return kernels_bsr.main([a for a in argv if a != "--bsr"])
+    if "--csr" in argv:
+        import kernels_csr
+        return kernels_csr.main([a for a in argv if a != "--csr"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes, three batch sizes")
     parser.add_argument("--sweep", nargs="*", default=["float16", "bfloat16"],

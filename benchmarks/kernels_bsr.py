@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, plot_per_dtype, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
 from sparsecc.bsr_kernel import BsrKernelWeight, dispatch  # noqa: E402
@@ -148,12 +148,7 @@ def print_summary(result: dict) -> None:
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    dtypes = sorted({r["dtype"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 5), sharey=True, squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
+    def draw(ax, dtype):
         for impl, style in (("sparsecc-bsr", "-o"), ("torch-bsr-triton", ":x")):
             data = speedups(result, impl, dtype)
             for m, block in sorted({(p[0], p[3]) for p in data}):
@@ -162,16 +157,8 @@ def plot(result: dict, path) -> None:
                 ax.plot(densities, means, style, label=f"{impl} M={m} block {block}", alpha=0.8)
         densities = sorted({r["density"] for r in result["rows"]})
         ax.plot(densities, [0.6 / d for d in densities], "k--", lw=0.8, label="0.6/d")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("block density")
-        ax.set_title(f"{dtype}: speedup over cuBLAS (graph replay, geomean over shapes)")
-    axes[0][0].set_ylabel("speedup")
-    axes[0][-1].legend(fontsize=6)
-    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_per_dtype(result, path, draw, xlabel="block density",
+                   title="speedup over cuBLAS (graph replay, geomean over shapes)")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ log = logging.getLogger("sparsecc")
 #: what runs a format: torch's dense GEMM, sparsecc's 2:4 CUTLASS GEMM and small-batch kernel,
 #: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
 #: no BSR kernel for the dtype or block, sparsecc.ops' batched block products), sparsecc's
-#: BSR kernel and torch's CSR product
+#: BSR kernels, torch's CSR product and sparsecc's CSR kernel
 IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
-         "csr")
+         "csr", "csr-kernel")
 #: streaming multiprocessors assumed when no GPU is present to ask (an H100 SXM)
 DEFAULT_SMS = 132
 CALIBRATION_VERSION = 1
@@ -98,6 +98,12 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
         # an MMA narrower than 64 outputs (the block's rows) issues as slowly as a 64-wide one
         narrow = max(1.0, 64 / h) if w.impl == "bsr-kernel" else 1.0
         return 2.0 * tiles * tile_m * stored * narrow, gathered + m * n * e + m * k * e
+    if w.impl == "csr-kernel":
+        # every tile multiplied densely (x's rows padded to the tile, K to 64), 4 bytes per
+        # stored entry read, x and y once
+        tile_m = (w.tile or (64, 16))[1]
+        rows = math.ceil(m / tile_m) * tile_m
+        return 2.0 * rows * n * math.ceil(k / 64) * 64, w.density * n * k * (e + 2) + act
     wide = 4 if e < 4 else e       # torch's sparse products run 16-bit inputs in fp32
     if w.impl in ("bsr", "bsr-bmm"):
         h, bw = w.block or (32, 32)
@@ -342,8 +348,9 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
         probes += [Probe(4096, 4096, "block64", density, "bsr64", 8192) for density in (0.5, 0.1)]
         for density in (0.5, 0.1):       # non-square blocks: sparsecc.ops' block products
             probes += [Probe(4096, 4096, "block32x64", density, "bsr32x64", m) for m in (1, 64, 2048)]
-        for density in (0.3, 0.05, 0.01):
-            probes += [Probe(4096, 4096, "unstructured", density, "csr", m) for m in (1, 64, 2048)]
+        for density in (0.3, 0.05, 0.01):    # sparsecc's CSR kernel
+            probes += [Probe(4096, 4096, "unstructured", density, "csr", m) for m in (1, 16, 64, 512, 2048)]
+        probes += [Probe(11008, 4096, "unstructured", density, "csr", m) for density in (0.3, 0.1) for m in (1, 64)]
         for n, k in shapes[:2]:      # float32: torch's paths only
             probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 512, 4096)]
         probes += [Probe(4096, 4096, "unstructured", d, "csr", m, "float32") for d in (0.1, 0.01) for m in (1, 512)]

@@ -30,6 +30,7 @@ class Family(str, enum.Enum):
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
     BSR_SM90 = "bsr_sm90"
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
+    CSR_SM90 = "csr_sm90"
 
     @property
     def arch(self) -> str:
@@ -50,10 +51,15 @@ class Family(str, enum.Enum):
         return self.value.startswith("bsr")
 
     @property
+    def csr(self) -> bool:
+        """An unstructured sparse kernel (tile = rows of a weight tile, rows of x, entries per tile)."""
+        return self.value.startswith("csr")
+
+    @property
     def own_launch(self) -> bool:
-        """A kernel written with its own launch (gemv, BSR): no CUTLASS schedule, scheduler,
+        """A kernel written with its own launch (gemv, BSR, CSR): no CUTLASS schedule, scheduler,
         cluster or operand-layout options (the op transposes x and y where a site needs it)."""
-        return self.gemv or self.bsr
+        return self.gemv or self.bsr or self.csr
 
 
 class Schedule(str, enum.Enum):
@@ -106,11 +112,18 @@ def bsr_warps(block_rows: int, tile_m: int) -> tuple[int, int] | None:
 TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_TILE_M
                           if bsr_warps(h, m) is not None}
 TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_WGMMA_TILE_M}
+#: the unstructured kernel: rows of a weight tile (its columns are 64), rows of x per CTA, and the
+#: stored entries a tile may have (the packing picks the smallest that holds its fullest tile)
+CSR_TILE_N = 64
+CSR_TILE_M = (16, 32, 64, 128)
+CSR_CAPACITIES = (1024, 2048, 4096)
+TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_CAPACITIES}
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
-                Family.BSR_SM90: (64, 64, 128), Family.BSR_SM90_WGMMA: (64, 64, 128)}
+                Family.BSR_SM90: (64, 64, 128), Family.BSR_SM90_WGMMA: (64, 64, 128),
+                Family.CSR_SM90: (CSR_TILE_N, 64, 1024)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
@@ -190,6 +203,27 @@ class KernelSpec:
         return max(2, min(4, (100 * 1024) // stage_bytes))
 
     @property
+    def csr_warps(self) -> tuple[int, int]:
+        """(warps along x's rows, warps along the tile's rows) of the CSR kernel: four warps."""
+        return (1, 4) if self.tile[1] == 16 else (2, 2)
+
+    @property
+    def csr_step_tiles(self) -> int:
+        """Weight tiles (along K) per pipeline stage of the CSR kernel: four for x tiles of up to 32
+        rows, two for 64, one for 128, and fewer for large tile capacities (shared memory)."""
+        _, tile_m, capacity = self.tile
+        return min({16: 4, 32: 4, 64: 2, 128: 1}[tile_m], CSR_CAPACITIES[-1] // capacity)
+
+    @property
+    def csr_stages(self) -> int:
+        """Pipeline stages of the CSR kernel: as many as fit the shared memory of two CTAs per SM
+        (113 KB each, less the double-buffered dense tile), between 2 and 6."""
+        _, tile_m, capacity = self.tile
+        step_k = 64 * self.csr_step_tiles
+        stage_bytes = (tile_m * step_k * 2 + capacity * self.csr_step_tiles * 4)   # x, then values and positions
+        return max(2, min(6, (113 * 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes))
+
+    @property
     def symbol(self) -> str:
         """A C identifier that spells the whole configuration out."""
         if self.family is Family.SM90_COMPRESS24:
@@ -197,6 +231,9 @@ class KernelSpec:
         if self.family.bsr:
             h, w, m = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_b{h}x{w}_m{m}"
+        if self.family.csr:
+            n, m, capacity = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}"
         if self.family.gemv:
             w, r, m = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_r{r}_m{m}"

@@ -205,9 +205,10 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
 
 
 def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, object]:
-    """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4 and BSR on Hopper),
-    else in the format's portable layout that the torch implementations read. Returns the
-    decisions splice takes (site name -> packed weight, or None for dense)."""
+    """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4, BSR and CSR on
+    Hopper), else in the format's portable layout that the torch implementations read. The plan's
+    ``bytes_after`` becomes the packed size (values plus indices). Returns the decisions splice
+    takes (site name -> packed weight, or None for dense)."""
     decisions = {}
     packed_by_weight = {}
     for site in sites:
@@ -219,6 +220,7 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
         if key not in packed_by_weight:
             packed_by_weight[key] = _pack_one(site, choice, cost_model.uses_kernel(stats[site.name], choice), plan)
         decisions[site.name] = packed_by_weight[key]
+        plan[site.name].bytes_after = packed_by_weight[key].nbytes
     return decisions
 
 

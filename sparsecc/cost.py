@@ -61,7 +61,8 @@ _FALLBACK_FITS = {
     "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
              "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
              "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0),
-             "bsr-kernel": calib.Fit(8.0, 450e12, 6e12, 4.0), "bsr-kernel-small": calib.Fit(8.0, 350e12, 2.2e12, 4.0)},
+             "bsr-kernel": calib.Fit(8.0, 450e12, 6e12, 4.0), "bsr-kernel-small": calib.Fit(8.0, 350e12, 2.2e12, 4.0),
+             "csr-kernel": calib.Fit(8.0, 250e12, 2.2e12, 4.0)},
     "cpu": {"dense": calib.Fit(10.0, 100e9, 20e9, 2.0), "nm-unpack": calib.Fit(20.0, 100e9, 10e9, 1.0),
             "bsr": calib.Fit(30.0, 30e9, 10e9, 2.0), "bsr-bmm": calib.Fit(60.0, 20e9, 10e9, 1.0),
             "csr": calib.Fit(30.0, 12e9, 10e9, 2.0)},
@@ -84,8 +85,9 @@ class Decision:
     buckets: list[dict] = field(default_factory=list)
 
 
-def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int) -> int:
-    """Bytes of ``spec``'s packed form for this weight (values plus indices)."""
+def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int, on_kernel: bool = False) -> int:
+    """Bytes of ``spec``'s packed form for this weight (values plus indices); ``on_kernel``: in
+    the layout of sparsecc's kernel (for CSR: 16-bit in-tile positions, counts padded to 8)."""
     n_rows, k = stats.shape
     if spec.kind == "dense":
         return stats.numel * element_size
@@ -96,6 +98,9 @@ def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int) -> in
         h, w = spec.block
         blocks = round(stats.block_density[spec.block] * (n_rows // h) * (k // w))
         return blocks * (h * w * element_size + 4) + (n_rows // h + 1) * 4
+    if on_kernel:
+        tiles = n_rows // 64 * math.ceil(k / 64)
+        return round((stats.nnz + 3.5 * tiles) * (element_size + 2)) + (tiles + 4) * 4
     return stats.nnz * (element_size + 4) + (n_rows + 1) * 4
 
 
@@ -192,12 +197,13 @@ class CostModel:
         return f"calibration of {self.calibration.device}" + (" (borrowed)" if self.calibration.borrowed else "")
 
     def uses_kernel(self, stats: WeightStats, spec: FormatSpec) -> bool:
-        """Whether ``spec`` runs on a generated kernel for this weight (2:4 and BSR on Hopper)."""
+        """Whether ``spec`` runs on a generated kernel for this weight (2:4, BSR and CSR on Hopper)."""
         return self.kernels_unavailable is None and self._kernel_refuses(stats, spec) is None
 
     @staticmethod
     def _kernel_refuses(stats: WeightStats, spec: FormatSpec) -> str | None:
         """Why sparsecc's kernels cannot run ``spec`` for this weight's shape and dtype, or None."""
+        from . import csr_kernel
         from .bsr_kernel import block_supported
         from .gpu import shape_supported
         dtype = getattr(torch, stats.dtype)
@@ -205,6 +211,8 @@ class CostModel:
             return shape_supported(*stats.shape, dtype)
         if spec.kind == "bsr" and spec.block is not None:
             return block_supported(spec.block, dtype)
+        if spec.kind == "csr":
+            return csr_kernel.shape_supported(*stats.shape, dtype)
         return f"sparsecc has no kernel for {spec}"
 
     def runs_on(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None) -> str:
@@ -223,7 +231,7 @@ class CostModel:
             from .ops import _torch_has_bsr_kernel
             compute = torch.float32 if stats.dtype in ("float16", "bfloat16") else getattr(torch, stats.dtype)
             return "bsr" if _torch_has_bsr_kernel(self.device, compute, spec.block) else "bsr-bmm"
-        return "csr"
+        return "csr-kernel" if self.uses_kernel(stats, spec) else "csr"
 
     def workload(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> calib.Workload:
         """The work of ``spec`` at ``m`` rows, for a site packed for ``planned_m`` rows."""
@@ -244,6 +252,10 @@ class CostModel:
             family, tile_m = kernel_for_rows(m)
             fields.update(impl="bsr-kernel" if family is Family.BSR_SM90_WGMMA else "bsr-kernel-small",
                           tile=(spec.block[0], tile_m))
+        if impl == "csr-kernel":
+            from .codegen import CSR_TILE_N
+            from .csr_kernel import tile_m_for
+            fields["tile"] = (CSR_TILE_N, tile_m_for(m))
         return calib.Workload(**fields)
 
     def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> float:
@@ -273,7 +285,8 @@ class CostModel:
         element = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
         times = {s: [self.predict_us(stats, s, rep, planned_m) for _, _, rep in ranges] for s in candidates}
         at_m = ranges[-1][2]            # the example's M, or the declared range's largest bucket
-        predictions = [Prediction(str(s), times[s][-1], format_nbytes(stats, s, element)) for s in candidates]
+        predictions = [Prediction(str(s), times[s][-1], format_nbytes(stats, s, element, self.uses_kernel(stats, s)))
+                       for s in candidates]
         best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
         worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
         buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
@@ -303,12 +316,13 @@ class CostModel:
         return Decision(spec, why, predictions, buckets)
 
     def _where_it_runs(self, stats: WeightStats, spec: FormatSpec) -> str:
-        """For an n:m or BSR choice on the GPU, the part of the reason that says which code runs it."""
-        if spec.kind not in ("nm", "bsr") or self.device.type != "cuda":
+        """For a sparse choice on the GPU, the part of the reason that says which code runs it."""
+        if spec.kind not in ("nm", "bsr", "csr") or self.device.type != "cuda":
             return ""
         if self.uses_kernel(stats, spec):
-            return ("; runs on sparsecc's sm90 2:4 CUTLASS kernel" if spec.kind == "nm"
-                    else "; runs on sparsecc's BSR kernel (tensor cores)")
+            return {"nm": "; runs on sparsecc's sm90 2:4 CUTLASS kernel",
+                    "bsr": "; runs on sparsecc's BSR kernel (tensor cores)",
+                    "csr": "; runs on sparsecc's CSR kernel (sparse loads, tensor cores)"}[spec.kind]
         return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or self._kernel_refuses(stats, spec)}"
 
     def _choose(self, pool, times, worst_ratio, predictions) -> tuple[FormatSpec, str]:

@@ -129,15 +129,25 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     """Every kernel a plan's CUDA sites need, per architecture: for sm_90a each M bucket's
     kernel of every 2:4 site the kernels take (the small-batch kernels for a site planned at
     M <= GEMV_MAX_M, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
-    the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time."""
+    the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time.
+    A CSR site's kernels depend on its fullest tile, which the plan does not record: it gets
+    those of every tile capacity its density may need (the expected fullest tile and above)."""
+    from . import csr_kernel
     from .bsr_kernel import block_supported
     from .bsr_kernel import dispatch as bsr_dispatch
+    from .codegen import CSR_CAPACITIES
     specs: list[KernelSpec] = []
     for site in plan:
         choice = FormatSpec.parse(site.choice)
         dtype = getattr(torch, site.dtype, None)
         if choice.kind == "bsr" and choice.block and not block_supported(choice.block, dtype) and "sm_90a" in archs:
             specs += [launch.spec for _, launch in bsr_dispatch(dtype, choice.block)]
+        if choice.kind == "csr" and not csr_kernel.shape_supported(*site.shape, dtype) and "sm_90a" in archs:
+            entries = CSR_CAPACITIES[-1]         # per tile: expect the mean plus five standard deviations
+            fullest = site.density * entries + 5 * (entries * site.density * (1 - site.density)) ** 0.5 + 8
+            expected = csr_kernel.capacity_for(min(entries, int(fullest)))
+            specs += [launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
+                      for _, launch in csr_kernel.dispatch(dtype, capacity)]
         if choice != NM_2_4 or shape_supported(*site.shape, dtype):
             continue
         if "sm_90a" in archs and site.m is not None and site.m <= GEMV_MAX_M:

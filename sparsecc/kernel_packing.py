@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .bsr_kernel import BsrKernelWeight
+from .csr_kernel import CsrKernelWeight
 from .errors import InputError
 from .formats import NM_2_4, FormatSpec, PackedWeight
 from .gpu import pack_24_for
@@ -12,9 +13,12 @@ from .gpu import pack_24_for
 
 def pack_for_kernels(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, progress: bool = False) -> PackedWeight:
     """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known):
-    2:4 for the small-batch kernels or the CUTLASS GEMMs, BSR for the BSR kernels."""
+    2:4 for the small-batch kernels or the CUTLASS GEMMs, BSR for the BSR kernels, CSR for the
+    unstructured kernel."""
     if spec == NM_2_4:
         return pack_24_for(weight, m, progress=progress)
     if spec.kind == "bsr" and spec.block is not None:
         return BsrKernelWeight.from_dense(weight, spec.block, progress=progress)
+    if spec.kind == "csr":
+        return CsrKernelWeight.from_dense(weight, progress=progress)
     raise InputError(f"sparsecc has no kernel for {spec}")

@@ -1,0 +1,149 @@
+"""Unstructured sparse weights on sparsecc's tensor-core kernel (templates/csr_sm90.cu.j2).
+
+The kernel loads only the stored entries of W and multiplies dense tiles rebuilt from them
+in shared memory ("load as sparse, compute as dense"): at small batch, where time is the
+weight's bytes, it reads 4 bytes per non-zero instead of 2 per element. The packed layout
+("tiled CSR") cuts W into tiles of :data:`~sparsecc.codegen.CSR_TILE_N` rows by
+:data:`TILE_K` columns and stores each tile's non-zeros in row-major order:
+
+- ``values``: the entries, tile after tile (by row of tiles, then by column), each tile's
+  count padded to a multiple of 8 (16-byte loads) with zeros;
+- ``metadata`` (int32): ``tile_ptr [R * T + 1]`` (entries before each tile, R = N / 64 rows
+  of tiles, T = ceil(K / 64)), zero-padded to a multiple of 4 words, then the entries'
+  positions in their tile (``row * 64 + column``) as uint16, two per word; padding entries
+  have position :data:`PADDING`.
+
+Packing is torch ops on any device and round-trips exactly. The kernel is compiled for a
+tile capacity (stored entries per tile, padded): the smallest of
+:data:`~sparsecc.codegen.CSR_CAPACITIES` that holds the weight's fullest tile, so sparse
+weights get the deepest pipelines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import runtime
+from .codegen import CSR_CAPACITIES, CSR_TILE_N, Family, KernelSpec
+from .errors import InputError
+from .formats import CSR, INDEX_DTYPE
+from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
+
+TILE_K = 64
+PADDING = 0xFFFF
+#: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS`: a 16-row tile up to
+#: 16 rows (the memory-bound range, split over K), then 64 and 128
+DEFAULT_TILE_M = {1: 16, 16: 16, 128: 64, 2048: 128, 0: 128}
+
+
+def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """Why a weight of this shape and dtype cannot use the CSR kernel, or None."""
+    if dtype not in KERNEL_DTYPES:
+        return f"the CSR kernel takes float16/bfloat16, not {str(dtype).replace('torch.', '')}"
+    if out_features % CSR_TILE_N or in_features % 16:
+        return (f"the CSR kernel needs N % {CSR_TILE_N} == 0 and K % 16 == 0 "
+                f"(this weight is {out_features}x{in_features})")
+    return None
+
+
+def capacity_for(fullest_tile: int) -> int:
+    """The smallest compiled tile capacity that holds a tile of ``fullest_tile`` padded entries."""
+    return next(c for c in CSR_CAPACITIES if c >= fullest_tile)
+
+
+def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
+    """The CSR launch per M bucket for a weight whose fullest tile needs ``capacity``."""
+    name = str(dtype).replace("torch.", "")
+    return [(bound, Launch(KernelSpec(Family.CSR_SM90, name, tile=(CSR_TILE_N, DEFAULT_TILE_M[bound], capacity))))
+            for bound, _ in M_BUCKETS]
+
+
+def tile_m_for(m: int) -> int:
+    """Rows of x per CTA that :func:`dispatch` runs M rows with."""
+    return next(DEFAULT_TILE_M[bound] for bound, _ in M_BUCKETS if bound == 0 or m <= bound)
+
+
+@dataclass
+class CsrKernelWeight(KernelWeight):
+    """An unstructured sparse weight in the tiled layout of the CSR kernel (see the module docstring)."""
+
+    capacity: int = CSR_CAPACITIES[-1]
+
+    spec = CSR
+
+    @property
+    def tile_count(self) -> int:
+        return self.out_features // CSR_TILE_N * -(-self.in_features // TILE_K)
+
+    @property
+    def tile_ptr(self) -> torch.Tensor:
+        return self.metadata[: self.tile_count + 1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The entries' in-tile positions, as int32 in 0..65535."""
+        start = -(-(self.tile_count + 1) // 4) * 4
+        return self.metadata[start:].view(torch.int16).to(torch.int32) & 0xFFFF
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "CsrKernelWeight":
+        """The layout alone (any device, any dtype): exact for every weight whose out features
+        are a multiple of the tile's rows."""
+        n, k = weight.shape
+        if n % CSR_TILE_N:
+            raise InputError(f"the CSR kernel layout needs N % {CSR_TILE_N} == 0 (this weight is {n}x{k})")
+        k_tiles = -(-k // TILE_K)
+        tiles = F.pad(weight.detach(), (0, k_tiles * TILE_K - k)).reshape(n // CSR_TILE_N, CSR_TILE_N, k_tiles, TILE_K)
+        tiles = tiles.permute(0, 2, 1, 3).reshape(-1, CSR_TILE_N * TILE_K)
+        nonzero = tiles != 0
+        counts = nonzero.sum(1)
+        padded = (counts + 7) // 8 * 8
+        tile_ptr = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+        tile, position = nonzero.nonzero(as_tuple=True)            # by tile, then by position
+        rank = torch.arange(tile.numel(), device=weight.device) - (counts.cumsum(0) - counts)[tile]
+        slot = tile_ptr[tile] + rank
+        total = int(tile_ptr[-1])
+        values = weight.new_zeros(total)
+        values[slot] = tiles[tile, position]
+        positions = torch.full((total,), PADDING, dtype=torch.int32, device=weight.device)
+        positions[slot] = position.to(torch.int32)
+        pairs = torch.where(positions >= 1 << 15, positions - (1 << 16), positions).to(torch.int16).view(INDEX_DTYPE)
+        header = torch.zeros(-(-(tile_ptr.numel()) // 4) * 4, dtype=INDEX_DTYPE, device=weight.device)
+        header[: tile_ptr.numel()] = tile_ptr.to(INDEX_DTYPE)
+        fullest = int(padded.max()) if padded.numel() else 0
+        return cls(values, torch.cat([header, pairs]), n, k, capacity=capacity_for(fullest))
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CsrKernelWeight":
+        """Pack a [N, K] CUDA weight and load the kernels of its dispatch table."""
+        if weight.device.type != "cuda":
+            raise InputError("sparsecc's kernels run on the GPU: move the weight to CUDA first")
+        reason = shape_supported(*weight.shape, weight.dtype)
+        if reason:
+            raise InputError(reason)
+        packed = cls.pack(weight)
+        table = dispatch(weight.dtype, packed.capacity)
+        runtime.ensure([launch.spec for _, launch in table], progress=progress)
+        packed.kernels = dispatch_string(table)
+        return packed
+
+    def to_dense(self) -> torch.Tensor:
+        """Unpack exactly (every value goes back to its position)."""
+        n, k = self.out_features, self.in_features
+        k_tiles = -(-k // TILE_K)
+        ptr = self.tile_ptr.long()
+        tile = torch.repeat_interleave(torch.arange(self.tile_count, device=ptr.device), ptr[1:] - ptr[:-1])
+        position = self.positions.long()
+        stored = position != PADDING
+        tiles = self.values.new_zeros(self.tile_count, CSR_TILE_N * TILE_K)
+        tiles[tile[stored], position[stored]] = self.values[stored]
+        dense = tiles.reshape(n // CSR_TILE_N, k_tiles, CSR_TILE_N, TILE_K).permute(0, 2, 1, 3)
+        return dense.reshape(n, k_tiles * TILE_K)[:, :k].contiguous()
+
+    @property
+    def fullest_tile(self) -> int:
+        """The most entries (padded) any tile stores."""
+        ptr = self.tile_ptr.long()
+        return int((ptr[1:] - ptr[:-1]).max()) if self.tile_count else 0

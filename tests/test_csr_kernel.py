@@ -1,0 +1,124 @@
+"""The CSR kernel's tiled weight layout and dispatch (sparsecc.csr_kernel), on the CPU: exact
+round trips, the layout the template reads, tile capacities, refusals, and the cost model's
+and the plan's view of an unstructured site where the kernel runs."""
+import pytest
+import torch
+
+from sparsecc.analysis import analyze
+from sparsecc.codegen import CSR_CAPACITIES, TILES, Family, KernelSpec
+from sparsecc.cost import CostModel, format_nbytes
+from sparsecc.csr_kernel import (DEFAULT_TILE_M, PADDING, TILE_K, CsrKernelWeight, capacity_for, dispatch,
+                                 shape_supported, tile_m_for)
+from sparsecc.errors import InputError
+from sparsecc.formats import CSR
+from sparsecc.gpu import M_BUCKETS
+
+
+def unstructured(n, k, density, gen, dtype=torch.float32):
+    dense = torch.randn(n, k, generator=gen)
+    return (dense * (torch.rand(n, k, generator=gen) < density)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 200), (192, 1040)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pack_round_trips_and_stores_tiles_as_the_kernel_reads_them(shape, dtype, gen):
+    n, k = shape
+    weight = unstructured(n, k, 0.3, gen, dtype)
+    weight[5] = 0                                                  # an empty row
+    packed = CsrKernelWeight.pack(weight)
+    assert torch.equal(packed.to_dense(), weight)
+    ptr, positions = packed.tile_ptr.long(), packed.positions
+    k_tiles = -(-k // TILE_K)
+    assert packed.tile_count == n // 64 * k_tiles and ptr[0] == 0 and (ptr % 8 == 0).all()
+    assert packed.values.numel() == positions.numel() == ptr[-1]
+    for tile in range(packed.tile_count):                          # what the kernel scatters for each tile
+        rows, cols = tile // k_tiles * 64, tile % k_tiles * TILE_K
+        block = torch.zeros(64, TILE_K, dtype=dtype)
+        entries = range(ptr[tile].item(), ptr[tile + 1].item())
+        stored = [positions[e].item() for e in entries if positions[e].item() != PADDING]
+        assert stored == sorted(stored)                            # row-major within the tile
+        for e in entries:
+            p = positions[e].item()
+            if p == PADDING:
+                assert packed.values[e] == 0
+            else:
+                block[p // TILE_K, p % TILE_K] = packed.values[e]
+        expected = torch.zeros(64, TILE_K, dtype=dtype)
+        part = weight[rows:rows + 64, cols:cols + TILE_K]
+        expected[:, :part.shape[1]] = part
+        assert torch.equal(block, expected), tile
+    assert packed.metadata.dtype == torch.int32 and packed.spec == CSR
+    assert packed.nbytes == packed.values.numel() * weight.element_size() + packed.metadata.numel() * 4
+
+
+def test_capacity_is_the_smallest_that_holds_the_fullest_tile(gen):
+    assert [capacity_for(c) for c in (0, 8, 1024, 1032, 2048, 4096)] == [1024, 1024, 1024, 2048, 2048, 4096]
+    sparse = CsrKernelWeight.pack(unstructured(128, 256, 0.1, gen))
+    assert sparse.capacity == 1024 and sparse.fullest_tile <= 1024
+    full = CsrKernelWeight.pack(torch.randn(64, 128, generator=gen))
+    assert full.capacity == 4096 and full.fullest_tile == 4096 and full.values.numel() == 64 * 128
+    empty = CsrKernelWeight.pack(torch.zeros(128, 64))
+    assert empty.values.numel() == 0 and empty.capacity == CSR_CAPACITIES[0]
+    assert torch.equal(empty.to_dense(), torch.zeros(128, 64))
+
+
+def test_refusals():
+    with pytest.raises(InputError, match="N % 64"):
+        CsrKernelWeight.pack(torch.ones(96, 64))
+    with pytest.raises(InputError, match="GPU"):
+        CsrKernelWeight.from_dense(torch.ones(64, 64, dtype=torch.float16))
+    assert "float16/bfloat16" in shape_supported(64, 64, torch.float32)
+    assert "K % 16" in shape_supported(64, 72, torch.float16)
+    assert shape_supported(11008, 4096, torch.bfloat16) is None
+    with pytest.raises(InputError, match="tile"):
+        KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, 512))
+    with pytest.raises(InputError):
+        KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, 1024), x_transposed=True)
+
+
+def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
+    for capacity in CSR_CAPACITIES:
+        table = dispatch(torch.bfloat16, capacity)
+        assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
+        assert all(launch.spec.family is Family.CSR_SM90 and launch.spec.tile in TILES[Family.CSR_SM90]
+                   and launch.spec.tile[2] == capacity for _, launch in table)
+    assert tile_m_for(1) == DEFAULT_TILE_M[1] == 16 and tile_m_for(100_000) == DEFAULT_TILE_M[0]
+    for tile in TILES[Family.CSR_SM90]:             # two CTAs per SM, or one where two stages do not fit
+        spec = KernelSpec(Family.CSR_SM90, "float16", tile=tile)
+        step_k = 64 * spec.csr_step_tiles
+        shared = spec.csr_stages * (tile[1] * step_k * 2 + tile[2] * spec.csr_step_tiles * 4) + 2 * 64 * step_k * 2
+        assert 2 <= spec.csr_stages <= 6 and shared <= (113 << 10 if spec.csr_stages > 2 else 227 << 10), tile
+    steps = [KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, c)).csr_step_tiles for c in CSR_CAPACITIES]
+    assert steps == sorted(steps, reverse=True) and steps[0] == 4 and steps[-1] == 1
+    assert KernelSpec(Family.CSR_SM90, "float16", tile=(64, 32, 2048)).symbol == "sparsecc_csr_sm90_f16_n64_m32_c2048"
+
+
+def test_cost_model_runs_unstructured_weights_on_the_kernel_where_it_can(gen):
+    """With kernels available a 16-bit CSR site runs on sparsecc's kernel (its own fit, its packed
+    size); float32, or out features that are not a multiple of 64, stay on torch's path."""
+    weight = unstructured(512, 1024, 0.05, gen, torch.float16)
+    model = CostModel("cuda", calibration=None, kernels_unavailable=None)
+    stats = analyze(weight)
+    assert model.runs_on(stats, CSR, 16) == "csr-kernel"
+    assert model.workload(stats, CSR, 16).tile == (64, 16)
+    decision = model.decide(stats, 16, [CSR])
+    assert decision.choice == CSR and "sparsecc's CSR kernel" in decision.reason
+    predicted = next(p.nbytes for p in decision.candidates if p.format == "csr")
+    actual = CsrKernelWeight.pack(weight).nbytes
+    assert abs(predicted / actual - 1) < 0.02 and predicted < format_nbytes(stats, CSR, 2)
+    for other in (weight.float(), unstructured(96, 1024, 0.05, gen, torch.float16)):
+        stats = analyze(other)
+        assert model.runs_on(stats, CSR, 16) == "csr"
+        assert "not sparsecc's kernel: the CSR kernel" in model.decide(stats, 16, [CSR]).reason
+
+
+def test_plan_kernels_lists_every_capacity_a_csr_site_may_need():
+    from types import SimpleNamespace
+
+    from sparsecc.gpu import plan_kernels
+    site = SimpleNamespace(choice="csr", dtype="float16", shape=[1024, 4096], density=0.1, m=16)
+    specs = plan_kernels([site])
+    assert {s.tile[2] for s in specs} == set(CSR_CAPACITIES) and all(s.family is Family.CSR_SM90 for s in specs)
+    denser = plan_kernels([SimpleNamespace(**{**vars(site), "density": 0.4})])
+    assert {s.tile[2] for s in denser} == {2048, 4096}
+    assert plan_kernels([SimpleNamespace(**{**vars(site), "dtype": "float32"})]) == []

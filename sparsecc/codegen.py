@@ -116,7 +116,7 @@ TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_
 #: stored entries a tile may have (the packing picks the smallest that holds its fullest tile)
 CSR_TILE_N = 64
 CSR_TILE_M = (16, 32, 64, 128)
-CSR_CAPACITIES = (1024, 2048, 4096)
+CSR_CAPACITIES = (256, 512, 1024, 2048, 4096)
 TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_CAPACITIES}
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
@@ -217,11 +217,12 @@ class KernelSpec:
     @property
     def csr_stages(self) -> int:
         """Pipeline stages of the CSR kernel: as many as fit the shared memory of two CTAs per SM
-        (113 KB each, less the double-buffered dense tile), between 2 and 6."""
+        (113 KB each, less the double-buffered dense tile), between 2 and 8: a sparse weight's
+        small tile capacity buys a deep pipeline, which hides memory latency at small batch."""
         _, tile_m, capacity = self.tile
         step_k = 64 * self.csr_step_tiles
         stage_bytes = (tile_m * step_k * 2 + capacity * self.csr_step_tiles * 4)   # x, then values and positions
-        return max(2, min(6, (113 * 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes))
+        return max(2, min(8, (113 * 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes))
 
     @property
     def symbol(self) -> str:

@@ -73,7 +73,7 @@ def test_every_tile_and_batch_size_matches_fp64(tile_m, dtype):
 def test_every_tile_capacity(capacity):
     """Weights whose fullest tile needs each capacity (a quarter, half and all of a tile stored),
     through the op's dispatch at small and large batches."""
-    density = {1024: 0.2, 2048: 0.45, 4096: 0.9}[capacity]
+    density = {256: 0.01, 512: 0.08, 1024: 0.2, 2048: 0.45, 4096: 0.9}[capacity]
     w = weight(256, 1024, density, torch.float16, seed=capacity)
     packed = CsrKernelWeight.from_dense(w)
     assert packed.capacity == capacity

@@ -99,7 +99,9 @@ def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int, on_ke
         blocks = round(stats.block_density[spec.block] * (n_rows // h) * (k // w))
         return blocks * (h * w * element_size + 4) + (n_rows // h + 1) * 4
     if on_kernel:
-        tiles = n_rows // 64 * math.ceil(k / 64)
+        from .codegen import CSR_TILE_N
+        from .csr_kernel import TILE_K
+        tiles = n_rows // CSR_TILE_N * math.ceil(k / TILE_K)
         return round((stats.nnz + 3.5 * tiles) * (element_size + 2)) + (tiles + 4) * 4
     return stats.nnz * (element_size + 4) + (n_rows + 1) * 4
 

@@ -118,8 +118,7 @@ class CsrKernelWeight(KernelWeight):
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CsrKernelWeight":
         """Pack a [N, K] CUDA weight and load the kernels of its dispatch table."""
-        if weight.device.type != "cuda":
-            raise InputError("sparsecc's kernels run on the GPU: move the weight to CUDA first")
+        cls._check(weight)
         reason = shape_supported(*weight.shape, weight.dtype)
         if reason:
             raise InputError(reason)

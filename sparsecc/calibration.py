@@ -5,12 +5,16 @@ format on a device, see :data:`IMPLS`) from what the work needs -- flops execute
 padding included) and bytes moved -- and a few numbers per implementation that only a
 measurement can give:
 
-    us = overhead + ((flops / rate) ** p + (bytes / bandwidth) ** p) ** (1 / p)
+    us = overhead + ((flops / rate) ** p + (bytes / bandwidth) ** p + (steps * step_us) ** p) ** (1 / p)
 
 ``p`` blends a roofline's max (large p: compute and memory overlap, one kernel) with a sum
-(p = 1: phases that run one after the other, e.g. unpack then multiply). :func:`calibrate`
+(p = 1: phases that run one after the other, e.g. unpack then multiply). ``steps`` counts the
+dependent pipeline steps of sparsecc's BSR and CSR kernels on the busiest SM (:func:`steps`):
+at small batch these kernels wait on each step's loads, so their time follows the steps a
+CTA runs one after another, not the bytes (a 64x16 block makes four times the steps of a
+16x64 one in a quarter of the CTAs); ``step_us`` is fitted for them only. :func:`calibrate`
 times every implementation on a small grid of shapes (:func:`calibration_workloads`), fits
-the four numbers per implementation in log space with torch's LBFGS, and caches the result
+the numbers per implementation in log space with torch's LBFGS, and caches the result
 per machine (GPU name or CPU, torch, CUDA and sparsecc versions). :func:`for_device` returns
 the cached calibration, else the one shipped with sparsecc for that kind of device
 (``sparsecc/calibrations/*.json``), marked as borrowed.
@@ -38,6 +42,10 @@ log = logging.getLogger("sparsecc")
 #: BSR kernels, torch's CSR product and sparsecc's CSR kernel
 IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
          "csr", "csr-kernel")
+#: on the CPU the probes are timed in this many rounds over all of them, each keeping its
+#: fastest: a shared machine's speed drifts by tens of percent over seconds, and rounds spread
+#: over the whole calibration catch each probe at least once undisturbed
+CPU_ROUNDS = 5
 #: streaming multiprocessors assumed when no GPU is present to ask (an H100 SXM)
 DEFAULT_SMS = 132
 CALIBRATION_VERSION = 1
@@ -97,7 +105,10 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
         gathered = m * stored / h * e + tiles * stored * e
         # an MMA narrower than 64 outputs (the block's rows) issues as slowly as a 64-wide one
         narrow = max(1.0, 64 / h) if w.impl == "bsr-kernel" else 1.0
-        return 2.0 * tiles * tile_m * stored * narrow, gathered + m * n * e + m * k * e
+        # one CTA per block row and tile of x: with fewer CTAs than SMs, the idle SMs' share of
+        # the bandwidth is lost (counted as more bytes)
+        idle = max(1.0, sms / (math.ceil(n / h) * tiles))
+        return 2.0 * tiles * tile_m * stored * narrow, (gathered + m * n * e + m * k * e) * idle
     if w.impl == "csr-kernel":
         # every tile multiplied densely (x's rows padded to the tile, K to 64), 4 bytes per
         # stored entry read, x and y once
@@ -117,9 +128,38 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     return 2.0 * m * nnz, nnz * (e + 4) + n * 4 + act + converted + m * n * wide
 
 
+#: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
+#: kCtasPerSm: three or two for the largest tiles), the cp.async BSR kernel and the CSR kernel two
+RESIDENT_CTAS = {"bsr-kernel": 4, "bsr-kernel-small": 2, "csr-kernel": 2}
+
+
+def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
+    """Dependent pipeline steps on the busiest SM (see the module docstring): the steps of one
+    CTA times the CTAs each resident slot runs; 0 for implementations not modelled by steps."""
+    if w.impl not in RESIDENT_CTAS:
+        return 0.0
+    from .codegen import CSR_TILE_N, Family, KernelSpec
+    if w.impl == "csr-kernel":
+        from .csr_kernel import TILE_K, expected_capacity
+        tile_m = (w.tile or (CSR_TILE_N, 16))[1]
+        spec = KernelSpec(Family.CSR_SM90, "float16", tile=(CSR_TILE_N, tile_m, expected_capacity(w.density)))
+        ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
+        k_tiles = math.ceil(w.k / TILE_K)
+        splits = max(1, min(2 * sms // max(ctas, 1), 16, k_tiles // (2 * spec.csr_step_tiles)))  # as the kernel splits K
+        per_cta = math.ceil(k_tiles / splits / spec.csr_step_tiles)
+        return per_cta * max(1.0, ctas * splits / (sms * RESIDENT_CTAS[w.impl]))
+    h, bw = w.block or (32, 32)
+    tile_m = (w.tile or (h, 64))[1]
+    density = w.block_density if w.block_density is not None else w.density
+    step_k = min(bw, 64) if w.impl == "bsr-kernel" else 64       # the wgmma kernel loads one block (or 64 columns) per step
+    per_cta = density * w.k / step_k
+    ctas = math.ceil(w.n / h) * math.ceil(w.m / tile_m)
+    return per_cta * max(1.0, ctas / (sms * RESIDENT_CTAS[w.impl]))
+
+
 @dataclass
 class Fit:
-    """The four numbers of one implementation (see the module docstring)."""
+    """The numbers of one implementation (see the module docstring)."""
 
     overhead_us: float
     rate: float            # flop/s
@@ -127,10 +167,28 @@ class Fit:
     p: float
     points: int = 0        # measurements it was fitted on
     median_error: float = 0.0   # median |predicted / measured - 1| over those
+    step_us: float = 0.0   # us per dependent pipeline step (:func:`steps`; 0: not modelled)
+    #: measured / fitted time per calibrated M (the geometric mean over that M's probes): what
+    #: the four numbers miss when a library changes algorithm with the batch (MKL's BSR product
+    #: is twice as slow at 8 rows as at 16; sparsecc's kernels change tiles)
+    m_profile: dict[str, float] = field(default_factory=dict)
 
-    def predict_us(self, flops: float, nbytes: float) -> float:
+    def predict_us(self, flops: float, nbytes: float, n_steps: float = 0.0) -> float:
+        """The fitted time, before :meth:`m_factor`."""
         compute, memory = flops / self.rate * 1e6, nbytes / self.bandwidth * 1e6
-        return self.overhead_us + (compute ** self.p + memory ** self.p) ** (1 / self.p)
+        latency = n_steps * self.step_us
+        return self.overhead_us + (compute ** self.p + memory ** self.p + latency ** self.p) ** (1 / self.p)
+
+    def m_factor(self, m: int) -> float:
+        """:attr:`m_profile` at ``m`` rows: log-linear between the calibrated Ms, flat beyond them."""
+        if not self.m_profile:
+            return 1.0
+        known = sorted((int(k), math.log(v)) for k, v in self.m_profile.items())
+        if m <= known[0][0] or m >= known[-1][0]:
+            return math.exp(known[0][1] if m <= known[0][0] else known[-1][1])
+        (m0, f0), (m1, f1) = next((a, b) for a, b in zip(known, known[1:]) if a[0] <= m <= b[0])
+        t = math.log(m / m0) / math.log(m1 / m0)
+        return math.exp(f0 + t * (f1 - f0))
 
 
 @dataclass
@@ -145,6 +203,9 @@ class Calibration:
     measurements: list[dict] = field(default_factory=list)
     borrowed: bool = False
     version: int = CALIBRATION_VERSION
+    #: CPU only: :func:`sparsecc.timing.reference_us` at calibration, the fastest of the
+    #: timings made between its probes (the state of the machine the probes saw)
+    reference_us: float | None = None
 
     def fit_for(self, impl: str, dtype: str) -> Fit | None:
         return self.fits.get(f"{impl}/{dtype_class(dtype)}")
@@ -154,7 +215,7 @@ class Calibration:
         fit = self.fit_for(w.impl, w.dtype)
         if fit is None:
             return None
-        return fit.predict_us(*work(w, self.sms))
+        return fit.predict_us(*work(w, self.sms), steps(w, self.sms)) * fit.m_factor(w.m)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -232,25 +293,27 @@ def for_device(device: torch.device | str) -> Calibration | None:
 
 # ------------------------------------------------------------------------ fitting
 
-def fit(points: list[tuple[float, float, float]]) -> Fit:
-    """Fit overhead, rate, bandwidth and p to ``(flops, bytes, measured us)`` points by least
+def fit(points: list[tuple[float, float, float]] | list[tuple[float, float, float, float]]) -> Fit:
+    """Fit overhead, rate, bandwidth and p (and step_us where the points count steps) to
+    ``(flops, bytes, measured us)`` or ``(flops, bytes, steps, measured us)`` points by least
     squares on the log of predicted / measured (a relative error, whatever the scale)."""
-    flops = torch.tensor([p[0] for p in points], dtype=torch.float64)
-    nbytes = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    measured = torch.tensor([p[2] for p in points], dtype=torch.float64)
+    points = [p if len(p) == 4 else (p[0], p[1], 0.0, p[2]) for p in points]
+    flops, nbytes, n_steps, measured = (torch.tensor(column, dtype=torch.float64) for column in zip(*points))
+    stepped = bool((n_steps > 0).any())
     # start from a roofline through the fastest points
     rate0 = float((flops / (measured * 1e-6)).max().clamp_min(1.0))
     bw0 = float((nbytes / (measured * 1e-6)).max().clamp_min(1.0))
+    step0 = float((measured / n_steps.clamp_min(1.0)).median()) * 0.5 if stepped else 1.0
     c0 = float(measured.min()) * 0.5
-    params = torch.tensor([math.log(max(c0, 0.1)), math.log(rate0), math.log(bw0), 0.0],
+    params = torch.tensor([math.log(max(c0, 0.1)), math.log(rate0), math.log(bw0), 0.0, math.log(max(step0, 1e-3))],
                           dtype=torch.float64, requires_grad=True)
 
     def predicted(theta):
         c, rate, bw = theta[0].exp(), theta[1].exp(), theta[2].exp()
         p = 1 + 7 * torch.sigmoid(theta[3])
-        compute, memory = flops / rate * 1e6, nbytes / bw * 1e6
-        scale = torch.maximum(compute, memory)
-        return c + scale * ((compute / scale) ** p + (memory / scale) ** p) ** (1 / p)
+        terms = [flops / rate * 1e6, nbytes / bw * 1e6] + ([n_steps * theta[4].exp()] if stepped else [])
+        scale = torch.stack(terms).amax(0)
+        return c + scale * sum((t / scale) ** p for t in terms) ** (1 / p)
 
     optimizer = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
 
@@ -262,18 +325,31 @@ def fit(points: list[tuple[float, float, float]]) -> Fit:
     optimizer.step(closure)
     with torch.no_grad():
         errors = (predicted(params) / measured - 1).abs()
-        c, rate, bw, q = params.tolist()
+        c, rate, bw, q, step = params.tolist()
     return Fit(overhead_us=math.exp(c), rate=math.exp(rate), bandwidth=math.exp(bw),
-               p=1 + 7 / (1 + math.exp(-q)), points=len(points), median_error=float(errors.median()))
+               p=1 + 7 * float(torch.sigmoid(torch.tensor(q))), points=len(points), median_error=float(errors.median()),
+               step_us=math.exp(step) if stepped else 0.0)
 
 
 def fit_measurements(measurements: list[dict], sms: int) -> dict[str, Fit]:
-    """One :class:`Fit` per implementation and dtype class found in ``measurements``."""
+    """One :class:`Fit` per implementation and dtype class found in ``measurements``, with its
+    M profile where the probes span more than one M."""
     groups: dict[str, list] = {}
     for row in measurements:
         w = workload_from_row(row)
-        groups.setdefault(f"{w.impl}/{dtype_class(w.dtype)}", []).append((*work(w, sms), row["us"]))
-    return {name: fit(points) for name, points in sorted(groups.items())}
+        groups.setdefault(f"{w.impl}/{dtype_class(w.dtype)}", []).append((w, (*work(w, sms), steps(w, sms), row["us"])))
+    fits = {}
+    for name, rows in sorted(groups.items()):
+        found = fit([point for _, point in rows])
+        residuals: dict[int, list[float]] = {}
+        for w, (flops, nbytes, n_steps, us) in rows:
+            residuals.setdefault(w.m, []).append(math.log(us / found.predict_us(flops, nbytes, n_steps)))
+        if len(residuals) > 1:
+            found.m_profile = {str(m): round(math.exp(sum(r) / len(r)), 4) for m, r in sorted(residuals.items())}
+            errors = sorted(abs(found.predict_us(f, b, n) * found.m_factor(w.m) / us - 1) for w, (f, b, n, us) in rows)
+            found.median_error = errors[len(errors) // 2]
+        fits[name] = found
+    return fits
 
 
 def workload_from_row(row: dict) -> Workload:
@@ -342,52 +418,64 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
             probes += [Probe(n, k, "dense", 1.0, "dense", 1), Probe(n, k, "2:4", 0.5, "2:4", 1)]
         for n, k in shapes[1:3]:
             probes += [Probe(n, k, "1:4", 0.25, "1:4", m) for m in (1, 256, 4096)]
-        for block in (16, 32, 64):
-            for density in (0.5, 0.1):
-                probes += [Probe(4096, 4096, f"block{block}", density, f"bsr{block}", m) for m in (1, 64, 2048)]
+        # sparsecc's BSR kernels: square and non-square blocks (a block's rows set the CTAs, its
+        # columns the steps), one kernel per M bucket
+        for n, k in ((4096, 4096), (8192, 2048)):
+            for block in ("16x16", "32x32", "64x64", "16x64", "64x16", "32x64"):
+                probes += [Probe(n, k, f"block{block}", density, f"bsr{block}", m)
+                           for density in (0.5, 0.1) for m in (1, 16, 128, 2048)]
         probes += [Probe(4096, 4096, "block64", density, "bsr64", 8192) for density in (0.5, 0.1)]
-        for density in (0.5, 0.1):       # non-square blocks: sparsecc.ops' block products
-            probes += [Probe(4096, 4096, "block32x64", density, "bsr32x64", m) for m in (1, 64, 2048)]
         for density in (0.3, 0.05, 0.01):    # sparsecc's CSR kernel
             probes += [Probe(4096, 4096, "unstructured", density, "csr", m) for m in (1, 16, 64, 512, 2048)]
         probes += [Probe(11008, 4096, "unstructured", density, "csr", m) for density in (0.3, 0.1) for m in (1, 64)]
+        probes += [Probe(n, k, "unstructured", density, "csr", m) for n, k in ((8192, 2048), (2048, 8192))
+                   for density in (0.1, 0.02) for m in (1, 16, 128)]
         for n, k in shapes[:2]:      # float32: torch's paths only
             probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 512, 4096)]
         probes += [Probe(4096, 4096, "unstructured", d, "csr", m, "float32") for d in (0.1, 0.01) for m in (1, 512)]
         probes += [Probe(4096, 4096, "block32", d, "bsr32", m, "float32") for d in (0.5, 0.1) for m in (1, 512)]
         probes += [Probe(4096, 4096, "1:4", 0.25, "1:4", m, "float32") for m in (1, 512)]
         return probes
+    # torch's CPU kernels change algorithm with the batch (MKL's gemv and gemm, its BSR product),
+    # so every implementation is probed over the range of M the M profiles interpolate
     shapes = [(256, 1024), (1024, 256), (768, 768), (2048, 2048)]
     for n, k in shapes:
-        probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 16, 128, 512)]
-        probes += [Probe(n, k, "dense", 1.0, "dense", m, "bfloat16") for m in (1, 128)]
+        probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 4, 8, 16, 64, 128, 256, 512)]
+        probes += [Probe(n, k, "dense", 1.0, "dense", m, "bfloat16") for m in (1, 8, 64, 256)]
     for n, k in shapes[:2]:
-        probes += [Probe(n, k, "2:4", 0.5, "2:4", m, dtype) for m in (1, 128) for dtype in ("float32", "bfloat16")]
+        probes += [Probe(n, k, "2:4", 0.5, "2:4", m, dtype) for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
     for block in (16, 32, 64):
         for density in (0.5, 0.1):
-            probes += [Probe(1024, 1024, f"block{block}", density, f"bsr{block}", m, "float32") for m in (1, 128)]
+            probes += [Probe(1024, 1024, f"block{block}", density, f"bsr{block}", m, "float32")
+                       for m in (1, 8, 16, 64, 128, 256)]
     for density in (0.5, 0.1):
         probes += [Probe(1024, 1024, "block32x64", density, "bsr32x64", m, dtype)
-                   for m in (1, 128) for dtype in ("float32", "bfloat16")]
-        probes += [Probe(1024, 1024, "block32", density, "bsr32", m, "bfloat16") for m in (1, 128)]
+                   for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
+        probes += [Probe(1024, 1024, "block32", density, "bsr32", m, "bfloat16") for m in (1, 8, 64, 256)]
     for n, k in ((1024, 1024), (2048, 2048)):
-        probes += [Probe(n, k, "unstructured", d, "csr", m, "float32") for d in (0.3, 0.05, 0.01) for m in (1, 16, 128)]
-    probes += [Probe(1024, 1024, "unstructured", d, "csr", m, "bfloat16") for d in (0.3, 0.02) for m in (1, 128)]
+        probes += [Probe(n, k, "unstructured", d, "csr", m, "float32")
+                   for d in (0.3, 0.05, 0.01) for m in (1, 8, 16, 64, 128, 256, 512)]
+    for n, k in ((2048, 512), (512, 2048)):          # torch's sparse kernels: time depends on N and K apart
+        probes += [Probe(n, k, "unstructured", d, "csr", m, "float32") for d in (0.3, 0.05, 0.01) for m in (1, 8, 64, 256)]
+        probes += [Probe(n, k, f"block{b}", 0.1, f"bsr{b}", m, "float32") for b in (16, 32) for m in (1, 8, 64, 256)]
+        probes += [Probe(n, k, "block32x64", 0.1, "bsr32x64", m, "float32") for m in (1, 8, 64, 256)]
+    probes += [Probe(1024, 1024, "unstructured", d, "csr", m, "bfloat16") for d in (0.3, 0.02) for m in (1, 8, 64, 256)]
     return probes
 
 
 def measure(probes: list[Probe], device: torch.device, *, progress: bool = True,
-            description: str = "calibrating") -> list[dict]:
+            description: str = "calibrating", reference: list[float] | None = None) -> list[dict]:
     """Time each probe (sparsecc.timing) and return one row per probe: the implementation's
     :class:`Workload` fields plus ``format``, ``pattern`` and measured ``us``. On the CPU the
-    probes are timed in :data:`~sparsecc.timing.CPU_ROUNDS` rounds and each keeps its fastest,
+    probes are timed in :data:`CPU_ROUNDS` rounds and each keeps its fastest (with
+    ``reference``: :func:`~sparsecc.timing.reference_us` is appended every 20 probes),
     as :func:`~sparsecc.timing.time_all_us` does."""
     from tqdm import tqdm
 
     from .analysis import analyze
     from .cost import CostModel
     from .formats import FormatSpec
-    from .timing import CPU_ROUNDS, site_runner, time_us
+    from .timing import reference_us, site_runner, time_us
     model = CostModel(device, calibration=None)
     generator = torch.Generator(device).manual_seed(0)
     rounds = CPU_ROUNDS if device.type == "cpu" else 1
@@ -398,6 +486,8 @@ def measure(probes: list[Probe], device: torch.device, *, progress: bool = True,
         for _ in range(rounds):
             for index, probe in enumerate(probes):
                 bar.update()
+                if reference is not None and index % 20 == 0:
+                    reference.append(reference_us())
                 key = (probe.n, probe.k, probe.pattern, probe.density, probe.dtype)
                 if key not in weights:
                     weight = random_weight(probe.n, probe.k, probe.pattern, probe.density,
@@ -423,8 +513,10 @@ def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, sav
     device = torch.device(device)
     key, name = machine_key(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
-    rows = measure(calibration_workloads(device), device, progress=progress)
-    calibration = Calibration(key=key, device=name, fits=fit_measurements(rows, sms), sms=sms, measurements=rows)
+    reference = [] if device.type == "cpu" else None
+    rows = measure(calibration_workloads(device), device, progress=progress, reference=reference)
+    calibration = Calibration(key=key, device=name, fits=fit_measurements(rows, sms), sms=sms, measurements=rows,
+                              reference_us=round(min(reference), 3) if reference else None)
     if save_result:
         path = save(calibration, device)
         log.info("calibration of %s saved to %s", name, path)

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from . import runtime, tracing
 from .analysis import WeightStats, analyze
-from .cost import CostModel, check_m_range, time_site
+from .cost import CostModel, check_m_range
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
@@ -167,7 +167,7 @@ def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=No
 
 def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed, m_range) -> SitePlan:
     decision = cost_model.decide(stats, site.m, allowed, m_range=m_range,
-                                 measure_site=lambda spec, m: time_site(site.weight, spec, m))
+                                 measure_sites=cost_model.site_timer(site.weight, stats))
     return _site_plan(site, stats, decision.choice, decision.reason,
                       [Candidate(p.format, round(p.us, 3), p.nbytes, p.measured_us) for p in decision.candidates],
                       decision.buckets, m_range)

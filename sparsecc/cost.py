@@ -10,16 +10,22 @@ user declares -- the M of the example inputs, or ``m_range=(lo, hi)`` split into
 for one of two objectives:
 
 - ``"latency"``: the format whose worst bucket is closest to that bucket's fastest
-  format; a sparse format must be predicted :data:`DENSE_MARGIN` and :data:`MIN_GAIN_US`
-  faster than dense in every bucket, so a prediction error does not make a model slower
-  than it was.
+  format (timed, see below; from the predictions alone, a sparse format must be predicted
+  :data:`DENSE_MARGIN` and :data:`MIN_GAIN_US` faster than dense in every bucket, so a
+  prediction error does not make a model slower than it was).
 - ``"memory"``: the fewest bytes among the formats predicted at most ``max_slowdown``
   times the fastest in every bucket.
 
-On the CPU, a sparse choice is kept only after it was timed faster than dense on the site's
-own shape: CPU times are noisy (on a shared 2-core machine, predictions of even dense
-products spread by +-30%, see benchmarks/results/cost_model-cpu-*), so the prediction alone
-is not trusted there.
+The predictions make a shortlist and timing decides: the candidates predicted within
+:data:`SHORTLIST_FACTOR` of the fastest in every bucket (at most :data:`SHORTLIST_MAX`,
+dense besides) are timed on the site's own weight as compile would run them, at the M of
+the example (or of the largest declared bucket) (:func:`time_sites`: CUDA-graph replay on
+the GPU, interleaved rounds on the CPU), and the
+fastest is kept -- a sparse one only if it beat dense by :data:`MEASURED_MARGIN`. Timing a
+few candidates costs milliseconds per site, and settles what a few fitted numbers cannot:
+two block shapes of one weight predicted within 20% of each other, or a CPU library path
+(MKL's gemv against its gemm, torch's sparse kernels) that the model only approximates.
+``CostModel(measure=False)`` chooses from the predictions alone.
 """
 from __future__ import annotations
 
@@ -48,6 +54,10 @@ CSR_MAX_DENSITY = 0.5
 NM_MAX_RATIO = 0.5
 #: a measured sparse choice must beat dense by this factor (timings on a busy CPU are noisy)
 MEASURED_MARGIN = 0.9
+#: the candidates predicted within this factor of the fastest (in every bucket) are timed ...
+SHORTLIST_FACTOR = 1.5
+#: ... at most this many of them (the fastest predicted first), dense besides
+SHORTLIST_MAX = 3
 #: a predicted sparse choice must beat dense by this factor in every bucket: predictions
 #: are within about 25%, and a compiled model must never be slower than the dense one
 DENSE_MARGIN = 0.9
@@ -55,6 +65,8 @@ DENSE_MARGIN = 0.9
 #: the time, and the model cannot tell two such kernels apart (GPU: kernels of a few us)
 MIN_GAIN_US = {"cuda": 1.5, "cpu": 10.0}
 OBJECTIVES = ("latency", "memory")
+#: on the CPU, the reference product of :meth:`CostModel.cpu_speed` is timed again after this many seconds
+REFERENCE_EVERY_S = 10.0
 
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
@@ -109,7 +121,8 @@ def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int, on_ke
 def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> list[FormatSpec]:
     """Formats that represent the weight exactly: dense always, then the sparse ones listed by
     default (2:4 and the tightest sparse n:m per group size, BSR blocks at most 60% dense and
-    at most twice as dense as the sparsest block shape, CSR at most 50% dense) or, with ``allowed``, those the restriction names."""
+    at most twice as dense as the sparsest block shape, CSR at most 50% dense) or, with
+    ``allowed``, those the restriction names."""
     found: list[FormatSpec] = [DENSE]
     if allowed is None:
         nm = [NM_2_4]
@@ -170,7 +183,7 @@ class CostModel:
 
     ``calibration``: "auto" (this machine's, else the packaged one for the device type), a
     :class:`~sparsecc.calibration.Calibration`, or None (rough built-in numbers).
-    ``measure``: confirm a CPU sparse choice by timing it (None: yes on the CPU).
+    ``measure``: time the shortlisted candidates and keep the fastest (None: yes).
     ``objective`` and ``max_slowdown``: see the module docstring.
     """
 
@@ -184,7 +197,8 @@ class CostModel:
             raise InputError(f"max_slowdown={max_slowdown!r} must be >= 1 (1.1 allows 10% slower than the fastest)")
         self.objective, self.max_slowdown = objective, float(max_slowdown)
         self.calibration = calib.for_device(self.device) if calibration == "auto" else calibration
-        self.measure = (True if measure is None else measure) and self.device.type == "cpu"
+        self._reference: tuple[float, float] | None = None     # (fastest reference_us seen, when last timed)
+        self.measure = True if measure is None else bool(measure)
         if kernels_unavailable == "unset":
             from .gpu import kernels_unavailable as why_not
             kernels_unavailable = why_not(self.device)
@@ -216,6 +230,21 @@ class CostModel:
         if spec.kind == "csr":
             return csr_kernel.shape_supported(*stats.shape, dtype)
         return f"sparsecc has no kernel for {spec}"
+
+    def cpu_speed(self) -> float:
+        """On the CPU, how much slower than at calibration this machine runs now: the fastest
+        :func:`~sparsecc.timing.reference_us` this model has seen (timed again at most every
+        :data:`REFERENCE_EVERY_S`) over the calibration's, within [0.5, 2]; 1 on the GPU or
+        for a calibration without a reference. A borrowed calibration is scaled to this CPU."""
+        if self.device.type != "cpu" or self.calibration is None or not self.calibration.reference_us:
+            return 1.0
+        import time
+
+        from .timing import reference_us
+        fastest, when = self._reference or (math.inf, -math.inf)
+        if time.monotonic() - when > REFERENCE_EVERY_S:
+            self._reference = fastest, when = min(fastest, reference_us()), time.monotonic()
+        return min(2.0, max(0.5, fastest / self.calibration.reference_us))
 
     def runs_on(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None) -> str:
         """The implementation (calibration.IMPLS) that runs ``spec`` for a site packed for
@@ -265,14 +294,15 @@ class CostModel:
         if self.calibration is not None:
             predicted = self.calibration.predict_us(w)
             if predicted is not None:
-                return predicted
+                return predicted * self.cpu_speed()
         fits = _FALLBACK_FITS["cuda" if self.device.type == "cuda" else "cpu"]
         return fits.get(w.impl, fits["dense"]).predict_us(*calib.work(w))
 
     def decide(self, stats: WeightStats, m: int | None, allowed: list[FormatSpec] | None,
-               measure_site=None, m_range: tuple[int, int] | None = None) -> Decision:
+               measure_sites=None, m_range: tuple[int, int] | None = None) -> Decision:
         """Choose a format for one site seen with ``m`` rows (None: not observed), over
-        ``m_range`` if given. ``measure_site(spec, m) -> us`` times a candidate."""
+        ``m_range`` if given. ``measure_sites(specs, m, planned_m) -> {spec: us}`` times
+        candidates against one another (:meth:`site_timer`)."""
         if stats.dtype not in SUPPORTED_DTYPES:
             return Decision(DENSE, f"dtype {stats.dtype} is not supported (only {', '.join(SUPPORTED_DTYPES)}); "
                                    "stays dense", [])
@@ -305,17 +335,35 @@ class CostModel:
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; {spec} fits "
                                   f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})"
                                   + self._where_it_runs(stats, spec), predictions, buckets)
+        shortlist = sorted((s for s in pool if worst_ratio[s] <= SHORTLIST_FACTOR), key=worst_ratio.get)
+        shortlist = list(dict.fromkeys([*shortlist[:SHORTLIST_MAX], DENSE]))
+        if self.measure and measure_sites is not None and self.objective == "latency" and len(shortlist) > 1:
+            return self._choose_by_timing(stats, shortlist, times, predictions, buckets,
+                                          measure_sites(shortlist, at_m, planned_m), at_m, where)
         spec, why = self._choose(pool, times, worst_ratio, predictions)
-        why = f"{why}{self._where_it_runs(stats, spec)} at {where} ({self.source})"
-        best, dense = by_name[str(spec)], by_name["dense"]
-        if spec.kind != "dense" and self.measure and measure_site is not None:
-            best.measured_us, dense.measured_us = measure_site(spec, at_m), measure_site(DENSE, at_m)
-            if best.measured_us >= MEASURED_MARGIN * dense.measured_us:
-                return Decision(DENSE, f"{spec} was predicted faster but measured slower on {self.device.type} "
-                                       f"at M={at_m} ({best.measured_us:.1f} vs dense {dense.measured_us:.1f} us); "
-                                       "stays dense", predictions, buckets)
-            why += f"; confirmed by timing: {best.measured_us:.1f} us vs dense {dense.measured_us:.1f} us"
-        return Decision(spec, why, predictions, buckets)
+        return Decision(spec, f"{why}{self._where_it_runs(stats, spec)} at {where} ({self.source})", predictions, buckets)
+
+    def _choose_by_timing(self, stats, shortlist, times, predictions, buckets, measured, at_m, where) -> Decision:
+        """The choice by timing (see the module docstring): the fastest of the shortlist."""
+        measured = {FormatSpec.parse(str(s)): us for s, us in measured.items()}
+        for p in predictions:
+            p.measured_us = measured.get(FormatSpec.parse(p.format))
+        spec = min(measured, key=measured.get)
+        timed = ", ".join(f"{s} {measured[s]:.1f}" for s in sorted(measured, key=measured.get))
+        why = (f"timed here at M={at_m} (us): {timed}; predicted ({self.source}): "
+               + ", ".join(f"{s} {times[s][-1]:.1f}" for s in shortlist) + f"; at {where}")
+        if spec.kind != "dense" and measured[spec] > MEASURED_MARGIN * measured[DENSE]:
+            return Decision(DENSE, f"dense stays: {spec} was timed fastest but not {1 - MEASURED_MARGIN:.0%} "
+                                   f"ahead of dense; {why}", predictions, buckets)
+        return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec)}; {why}", predictions, buckets)
+
+    def site_timer(self, weight: torch.Tensor, stats: WeightStats):
+        """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
+        ``weight`` as compile would pack and run them (sparsecc's kernels where they take it)."""
+        def measure(specs, m, planned_m):
+            return time_sites(weight, specs, m, on_kernel={s: self.uses_kernel(stats, s) for s in specs},
+                              planned_m=planned_m)
+        return measure
 
     def _where_it_runs(self, stats: WeightStats, spec: FormatSpec) -> str:
         """For a sparse choice on the GPU, the part of the reason that says which code runs it."""
@@ -364,7 +412,13 @@ class CostModel:
                 "declared": inside}
 
 
-def time_site(weight: torch.Tensor, spec: FormatSpec, m: int) -> float:
-    """Fastest wall time (us) of the site's op for ``spec`` on random inputs with ``m`` rows."""
-    from .timing import site_runner, time_us
-    return time_us(site_runner(weight, spec, m), weight.device, budget_s=0.5)
+def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kernel: dict | None = None,
+               planned_m: int | None = None) -> dict[FormatSpec, float]:
+    """Microseconds per call of the site's op for each format in ``specs`` on random inputs
+    with ``m`` rows, timed against one another (:func:`sparsecc.timing.time_all_us`); a format
+    ``on_kernel`` maps to True is packed for sparsecc's kernels, for ``planned_m`` rows."""
+    from .timing import site_runner, time_all_us
+    on_kernel = on_kernel or {}
+    runners = {spec: site_runner(weight, spec, m, on_kernel=on_kernel.get(spec, False), planned_m=planned_m)
+               for spec in specs}
+    return time_all_us(runners, weight.device)

@@ -48,6 +48,14 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
     return None
 
 
+def expected_capacity(density: float) -> int:
+    """The tile capacity a random weight of this density most likely needs: its fullest tile
+    expected at the mean plus five standard deviations of a tile's non-zeros (and padding)."""
+    entries = CSR_CAPACITIES[-1]
+    fullest = density * entries + 5 * (entries * density * (1 - density)) ** 0.5 + 8
+    return capacity_for(min(entries, int(fullest)))
+
+
 def capacity_for(fullest_tile: int) -> int:
     """The smallest compiled tile capacity that holds a tile of ``fullest_tile`` padded entries."""
     return next(c for c in CSR_CAPACITIES if c >= fullest_tile)

@@ -143,9 +143,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
         if choice.kind == "bsr" and choice.block and not block_supported(choice.block, dtype) and "sm_90a" in archs:
             specs += [launch.spec for _, launch in bsr_dispatch(dtype, choice.block)]
         if choice.kind == "csr" and not csr_kernel.shape_supported(*site.shape, dtype) and "sm_90a" in archs:
-            entries = CSR_CAPACITIES[-1]         # per tile: expect the mean plus five standard deviations
-            fullest = site.density * entries + 5 * (entries * site.density * (1 - site.density)) ** 0.5 + 8
-            expected = csr_kernel.capacity_for(min(entries, int(fullest)))
+            expected = csr_kernel.expected_capacity(site.density)
             specs += [launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
                       for _, launch in csr_kernel.dispatch(dtype, capacity)]
         if choice != NM_2_4 or shape_supported(*site.shape, dtype):

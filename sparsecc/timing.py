@@ -80,7 +80,7 @@ def time_us(fn: Callable[[], object], device: torch.device | str, *, budget_s: f
 #: on the CPU, runners compared with one another are timed in this many interleaved rounds,
 #: each keeping its fastest: a burst of other work on a shared machine then slows one round
 #: of every runner instead of every round of one
-CPU_ROUNDS = 3
+CPU_ROUNDS = 5
 
 
 def time_all_us(runners: dict[str, Callable[[], object]], device: torch.device | str) -> dict[str, float]:
@@ -93,6 +93,16 @@ def time_all_us(runners: dict[str, Callable[[], object]], device: torch.device |
         for name, fn in runners.items():
             best[name] = min(time_us(fn, device), best.get(name, float("inf")))
     return best
+
+
+def reference_us() -> float:
+    """Microseconds of a fixed CPU product (fp32, 64x512 by 512x512), the fastest of three
+    rounds: how fast this CPU runs right now. A shared VM's speed drifts by tens of percent
+    over minutes; the cost model scales CPU predictions by this against its calibration's."""
+    x = torch.ones(64, 512)
+    w = torch.full((512, 512), 0.5)
+    with torch.no_grad():
+        return min(_time_cpu(lambda: torch.nn.functional.linear(x, w), 0.01) for _ in range(3))
 
 
 def _time_cpu(fn, budget_s: float, *, repeats: int = 7) -> float:

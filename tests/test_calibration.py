@@ -24,6 +24,59 @@ def test_fit_recovers_the_numbers_it_was_made_from():
         assert fitted.predict_us(flops, nbytes) == pytest.approx(truth.predict_us(flops, nbytes), rel=0.06)
 
 
+def test_fit_recovers_a_step_latency():
+    """Kernels modelled by their dependent steps: the fit finds the time per step."""
+    truth = calib.Fit(overhead_us=6.0, rate=4e14, bandwidth=2e12, p=1.5, step_us=0.4)
+    gen = torch.Generator().manual_seed(4)
+    points = []
+    for _ in range(60):
+        flops, nbytes, steps = (float(10 ** (lo + span * torch.rand(1, generator=gen)))
+                                for lo, span in ((8, 4), (5, 3), (0, 3)))
+        noise = 1 + 0.02 * float(torch.randn(1, generator=gen))
+        points.append((flops, nbytes, steps, truth.predict_us(flops, nbytes, steps) * noise))
+    fitted = calib.fit(points)
+    assert fitted.median_error < 0.03 and fitted.step_us == pytest.approx(0.4, rel=0.15)
+    assert calib.fit([(f, b, u) for f, b, _, u in points]).step_us == 0.0     # no steps given: none fitted
+
+
+def test_steps_follow_the_ctas_and_their_loop():
+    """A 64x16 block makes four times the steps of a 16x64 one in a quarter of the CTAs."""
+    def bsr(block, m=16, n=4096):
+        return calib.Workload("bsr-kernel", "float16", m, n, 4096, density=0.1, block=block, block_density=0.1,
+                              tile=(block[0], 64))
+    tall, wide = calib.steps(bsr((64, 16))), calib.steps(bsr((16, 64)))
+    assert tall == pytest.approx(0.1 * 4096 / 16) and wide == pytest.approx(0.1 * 4096 / 64)
+    # more CTAs than resident slots: the steps of the waves add up
+    assert calib.steps(bsr((16, 64), m=2048)) == pytest.approx(wide * 4096 / 16 * 32 / (calib.DEFAULT_SMS * 4))
+    assert calib.steps(calib.Workload("dense", "float16", 16, 4096, 4096)) == 0.0
+    # the CSR kernel splits K when its CTAs do not fill the SMs, which shortens each CTA's loop
+    small, large = (calib.steps(calib.Workload("csr-kernel", "float16", m, 4096, 4096, density=0.05, tile=(64, t)))
+                    for m, t in ((16, 16), (4096, 128)))
+    assert 0 < small < 4096 / 64 and large > small
+
+
+def test_m_profile_corrects_what_the_fit_misses_by_batch():
+    """A path twice as slow at one batch size than its neighbours (MKL's BSR product at 8 rows)."""
+    truth = calib.Fit(overhead_us=20.0, rate=5e10, bandwidth=2e10, p=1.0)
+    rows = []
+    for n, k in ((512, 512), (1024, 1024), (2048, 512)):
+        for m in (1, 4, 8, 16, 64):
+            w = calib.Workload("bsr", "float32", m, n, k, density=0.1, block=(32, 32), block_density=0.1)
+            us = truth.predict_us(*calib.work(w)) * (2.0 if m == 8 else 1.0)
+            rows.append({**vars(w), "us": us})
+    fits = calib.fit_measurements(rows, calib.DEFAULT_SMS)
+    fit = fits["bsr/float32"]
+    assert set(fit.m_profile) == {"1", "4", "8", "16", "64"}
+    assert fit.m_factor(8) / fit.m_factor(16) == pytest.approx(2.0, rel=0.1)
+    cal = calib.Calibration(key="k", device="test", fits=fits)
+    for row in rows:
+        assert cal.predict_us(calib.workload_from_row(row)) == pytest.approx(row["us"], rel=0.1)
+    # between calibrated Ms: log-linear; beyond them: flat
+    profile = calib.Fit(1.0, 1.0, 1.0, 1.0, m_profile={"1": 1.0, "16": 2.0})
+    assert profile.m_factor(4) == pytest.approx(2 ** 0.5) and profile.m_factor(1000) == 2.0
+    assert calib.Fit(1.0, 1.0, 1.0, 1.0).m_factor(8) == 1.0
+
+
 def test_work_counts_what_each_implementation_does():
     dense = calib.Workload("dense", "float16", 2048, 4096, 4096)
     flops, nbytes = calib.work(dense)
@@ -68,11 +121,14 @@ def _calibration(fits, borrowed=False):
 
 
 def test_json_round_trip_and_version_check():
-    original = _calibration({"dense/float32": calib.Fit(10.0, 1e11, 2e10, 2.0, points=3, median_error=0.1)})
+    original = _calibration({"dense/float32": calib.Fit(10.0, 1e11, 2e10, 2.0, points=3, median_error=0.1,
+                                                        m_profile={"1": 0.9, "64": 1.2}),
+                             "bsr-kernel/16bit": calib.Fit(5.0, 1e14, 2e12, 1.0, step_us=0.3)})
     loaded = calib.Calibration.from_json(original.to_json())
     assert loaded.fits == original.fits and loaded.key == "k" and not loaded.borrowed
     w = calib.Workload("dense", "float32", 8, 64, 64)
-    assert loaded.predict_us(w) == pytest.approx(original.fits["dense/float32"].predict_us(*calib.work(w)))
+    fit = original.fits["dense/float32"]
+    assert loaded.predict_us(w) == pytest.approx(fit.predict_us(*calib.work(w)) * fit.m_factor(8))
     assert loaded.predict_us(calib.Workload("csr", "float32", 8, 64, 64, density=0.1)) is None
     with pytest.raises(ValueError, match="version"):
         calib.Calibration.from_json(original.to_json().replace('"version": 1', '"version": 99'))
@@ -104,6 +160,7 @@ def test_calibrating_this_cpu(tmp_path, monkeypatch):
     assert set(result.fits) == {"dense/float32", "csr/float32"}
     assert len(result.measurements) == len(probes) and all(r["us"] > 0 for r in result.measurements)
     assert not calib.for_device("cpu").borrowed
+    assert result.reference_us > 0          # the speed of this CPU the probes saw
     for fit in result.fits.values():
         assert fit.overhead_us > 0 and fit.rate > 0 and fit.bandwidth > 0 and 1 <= fit.p <= 8
         assert math.isfinite(fit.median_error)

@@ -48,20 +48,40 @@ def test_dense_stays_when_sparse_cannot_win(gen):
     assert {p.format for p in decision.candidates} >= {"dense", "2:4", "csr"}
 
 
-def test_cpu_sparse_choice_is_confirmed_by_measurement(gen):
+def test_cpu_choice_is_the_fastest_timed_candidate(gen):
     weight = unstructured(2048, 2048, 0.01, gen)
     stats = analyze(weight)
     model = CostModel("cpu", measure=True)
-    timings = []
+    asked = []
 
-    def fake_measure(spec, m):
-        timings.append(str(spec))
-        return 1.0 if spec.kind == "dense" else 5.0      # pretend sparse lost on this machine
+    def timings(sparse_us, dense_us=10.0):
+        def measure(specs, m, planned_m):
+            asked.append(([str(s) for s in specs], m))
+            return {s: dense_us if s.kind == "dense" else sparse_us + len(str(s)) / 100 for s in specs}
+        return measure
 
-    decision = model.decide(stats, 256, None, measure_site=fake_measure)
-    assert timings and str(decision.choice) == "dense" and "measured slower" in decision.reason
-    decision = model.decide(stats, 256, None, measure_site=lambda spec, m: 5.0 if spec.kind == "dense" else 1.0)
-    assert decision.choice.kind != "dense" and "confirmed by timing" in decision.reason
+    decision = model.decide(stats, 256, None, measure_sites=timings(50.0))      # every sparse format loses
+    shortlist, m = asked[-1]
+    assert m == 256 and "dense" in shortlist and len(shortlist) >= 2 and str(decision.choice) == "dense"
+    assert "timed" in decision.reason and all(str(s) in decision.reason for s in shortlist)
+    decision = model.decide(stats, 256, None, measure_sites=timings(1.0))       # sparse wins: the fastest one
+    timed = {p.format: p.measured_us for p in decision.candidates if p.measured_us is not None}
+    assert set(timed) == set(asked[-1][0]) and str(decision.choice) == min(timed, key=timed.get) != "dense"
+    assert "timed fastest" in decision.reason
+    decision = model.decide(stats, 256, None, measure_sites=timings(9.5))       # ahead by less than 10%
+    assert str(decision.choice) == "dense" and "dense stays" in decision.reason
+    asked.clear()                                       # a weight no sparse format can help is not timed
+    decision = model.decide(analyze(unstructured(64, 64, 0.9, gen)), 8, None, measure_sites=timings(1.0))
+    assert not asked and str(decision.choice) == "dense"
+
+
+def test_cpu_timing_decides_on_real_products(gen):
+    weight = unstructured(512, 1024, 0.02, gen)
+    model, stats = CostModel("cpu", measure=True), analyze(weight)
+    decision = model.decide(stats, 16, None, measure_sites=model.site_timer(weight, stats))
+    timed = {p.format: p.measured_us for p in decision.candidates if p.measured_us is not None}
+    assert "dense" in timed and len(timed) >= 2 and all(us > 0 for us in timed.values())
+    assert str(decision.choice) in timed
 
 
 def test_unsupported_dtype_and_buckets(gen):
@@ -137,3 +157,23 @@ def test_memory_objective_takes_the_smallest_format_within_the_bound(gen):
         CostModel("cpu", objective="speed")
     with pytest.raises(InputError, match="max_slowdown"):
         CostModel("cpu", max_slowdown=0.5)
+
+
+def test_cpu_predictions_follow_the_speed_of_the_machine(monkeypatch, gen):
+    """Calibrated while the CPU ran twice as fast as now: predictions are twice as long, with
+    the reference product timed again at most every REFERENCE_EVERY_S; clamped to [0.5, 2]."""
+    from sparsecc import timing
+    from sparsecc.cost import DENSE
+    timed = []
+    monkeypatch.setattr(timing, "reference_us", lambda: timed.append(1) or 200.0)
+    fits = {"dense/float32": calib.Fit(10.0, 1e11, 2e10, 1.0)}
+    stats = analyze(unstructured(64, 128, 0.5, gen))
+    cal = calib.Calibration(key="k", device="cpu", fits=fits, reference_us=100.0)
+    model = CostModel("cpu", calibration=cal, measure=False)
+    base = cal.predict_us(model.workload(stats, DENSE, 8))
+    assert model.predict_us(stats, DENSE, 8) == pytest.approx(2 * base)
+    assert model.predict_us(stats, DENSE, 64) > 0 and len(timed) == 1
+    monkeypatch.setattr(timing, "reference_us", lambda: 1.0)
+    assert CostModel("cpu", calibration=cal).predict_us(stats, DENSE, 8) == pytest.approx(0.5 * base)
+    unscaled = calib.Calibration(key="k", device="cpu", fits=fits)
+    assert CostModel("cpu", calibration=unscaled).predict_us(stats, DENSE, 8) == pytest.approx(base)

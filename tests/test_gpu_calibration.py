@@ -3,10 +3,14 @@ cost, a calibration of a few probes fits, is cached for this GPU and predicts it
 measurements."""
 import pytest
 import torch
+from torch import nn
 
+import sparsecc
 from sparsecc import calibration as calib
 from sparsecc.formats import FormatSpec
 from sparsecc.timing import site_runner, time_us
+
+from conftest import TOLERANCE, rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,10 +31,33 @@ def test_calibration_fits_caches_and_predicts(tmp_path, monkeypatch):
     probes += [calib.Probe(2048, 2048, "unstructured", d, "csr", m) for d in (0.1, 0.01) for m in (1, 64)]
     monkeypatch.setattr(calib, "calibration_workloads", lambda device: probes)
     result = calib.calibrate("cuda", progress=False)
-    assert set(result.fits) == {"dense/16bit", "csr/16bit"} and len(result.measurements) == len(probes)
+    from sparsecc.gpu import kernels_unavailable
+    csr = "csr-kernel/16bit" if kernels_unavailable(torch.device("cuda")) is None else "csr/16bit"
+    assert set(result.fits) == {"dense/16bit", csr} and len(result.measurements) == len(probes)
     assert calib.cache_path(torch.device("cuda")).is_file()
     cached = calib.for_device("cuda")
     assert not cached.borrowed and cached.key == result.key
     for row in result.measurements:
         predicted = result.predict_us(calib.workload_from_row(row))
         assert 0.5 < predicted / row["us"] < 2.0, row
+
+
+def test_compile_times_its_shortlist_on_the_gpu():
+    """Without formats=, compile times each site's shortlisted formats (graph replay, as the
+    model runs them) and keeps the fastest: at 10% of 64x64 blocks and M=16 a block format
+    beats dense by far. The plan shows the timings; the model matches eager."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096)).half().cuda().eval()
+    with torch.no_grad():
+        for seed, layer in enumerate((model[0], model[2])):
+            gen = torch.Generator("cuda").manual_seed(seed)
+            layer.weight.copy_(calib.random_weight(4096, 4096, "block64", 0.1, torch.float16, "cuda", gen))
+    x = torch.randn(16, 4096, dtype=torch.float16, device="cuda")
+    compiled = sparsecc.compile(model, (x,))
+    for site in compiled.sparsecc_plan:
+        timed = [c for c in site.candidates if c.measured_us is not None]
+        assert site.choice.startswith("bsr") and "timed fastest" in site.reason, site.reason
+        assert len(timed) >= 2 and any(c.format == "dense" for c in timed)
+        assert min(timed, key=lambda c: c.measured_us).format == site.choice
+    with torch.no_grad():
+        assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float16]

@@ -4,6 +4,7 @@ import torch
 
 from sparsecc import calibration as calib
 from sparsecc.formats import FormatSpec
+from sparsecc import timing
 from sparsecc.timing import site_runner, time_us
 
 
@@ -24,3 +25,8 @@ def test_time_us_is_positive_and_grows_with_work():
     small = site_runner(torch.randn(64, 64), FormatSpec.parse("dense"), 1)
     big = site_runner(torch.randn(1024, 1024), FormatSpec.parse("dense"), 256)
     assert 0 < time_us(small, "cpu") < time_us(big, "cpu")
+
+
+
+def test_reference_product_is_timed():
+    assert 0 < timing.reference_us() < 1e6

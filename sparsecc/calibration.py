@@ -442,8 +442,9 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
     for n, k in shapes:
         probes += [Probe(n, k, "dense", 1.0, "dense", m, "float32") for m in (1, 4, 8, 16, 64, 128, 256, 512)]
         probes += [Probe(n, k, "dense", 1.0, "dense", m, "bfloat16") for m in (1, 8, 64, 256)]
-    for n, k in shapes[:2]:
+    for n, k in shapes[:2] + [(128, 512), (2048, 2048)]:      # small and large: the overhead and the unpacking apart
         probes += [Probe(n, k, "2:4", 0.5, "2:4", m, dtype) for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
+    probes += [Probe(128, 512, "dense", 1.0, "dense", m, dtype) for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
     for block in (16, 32, 64):
         for density in (0.5, 0.1):
             probes += [Probe(1024, 1024, f"block{block}", density, f"bsr{block}", m, "float32")

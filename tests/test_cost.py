@@ -177,3 +177,25 @@ def test_cpu_predictions_follow_the_speed_of_the_machine(monkeypatch, gen):
     assert CostModel("cpu", calibration=cal).predict_us(stats, DENSE, 8) == pytest.approx(0.5 * base)
     unscaled = calib.Calibration(key="k", device="cpu", fits=fits)
     assert CostModel("cpu", calibration=unscaled).predict_us(stats, DENSE, 8) == pytest.approx(base)
+
+
+def test_cpu_timing_is_taken_again_when_the_machine_was_busy(monkeypatch, gen):
+    """A burst of other work during the candidates' timing (the reference product ran 3x slower
+    after than before) makes the model time them again; a quiet timing is taken once."""
+    from sparsecc import timing
+    references = [100.0, 300.0, 100.0, 101.0]
+    monkeypatch.setattr(timing, "reference_us", lambda: references.pop(0))
+    stats = analyze(unstructured(2048, 2048, 0.01, gen))
+    cal = calib.for_device("cpu")
+    model = CostModel("cpu", measure=True, calibration=calib.Calibration(cal.key, cal.device, cal.fits))
+    rounds = []
+
+    def measure(specs, m, planned_m):
+        rounds.append(len(rounds))
+        return {s: 10.0 if s.kind == "dense" else 1.0 for s in specs}
+    decision = model.decide(stats, 256, None, measure_sites=measure)
+    assert rounds == [0, 1] and decision.choice.kind != "dense" and not references
+    references[:] = [100.0, 100.0]
+    rounds.clear()
+    model.decide(stats, 256, None, measure_sites=measure)
+    assert rounds == [0] and not references

@@ -29,6 +29,7 @@ two block shapes of one weight predicted within 20% of each other, or a CPU libr
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ import torch
 
 from . import calibration as calib
 from .analysis import WeightStats
-from .errors import InputError
+from .errors import InputError, SparseccError
 from .formats import DENSE, NM_2_4, FormatSpec
+
+log = logging.getLogger("sparsecc")
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 #: M ranges of a plan's buckets (the last is open-ended)
@@ -446,6 +449,12 @@ def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kern
     ``on_kernel`` maps to True is packed for sparsecc's kernels, for ``planned_m`` rows."""
     from .timing import site_runner, time_all_us
     on_kernel = on_kernel or {}
-    runners = {spec: site_runner(weight, spec, m, on_kernel=on_kernel.get(spec, False), planned_m=planned_m)
-               for spec in specs}
+    runners = {}
+    for spec in specs:
+        try:
+            runners[spec] = site_runner(weight, spec, m, on_kernel=on_kernel.get(spec, False), planned_m=planned_m)
+        except (SparseccError, RuntimeError) as error:     # e.g. its kernels failed to build: not timed, not chosen
+            if spec == DENSE:
+                raise
+            log.warning("sparsecc: %s is left out of the timing: %s", spec, str(error).splitlines()[0])
     return time_all_us(runners, weight.device)

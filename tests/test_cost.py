@@ -199,3 +199,11 @@ def test_cpu_timing_is_taken_again_when_the_machine_was_busy(monkeypatch, gen):
     rounds.clear()
     model.decide(stats, 256, None, measure_sites=measure)
     assert rounds == [0] and not references
+
+
+def test_a_candidate_that_cannot_run_is_left_out_of_the_timing(gen, caplog):
+    from sparsecc.cost import time_sites
+    weight = unstructured(96, 100, 0.1, gen)               # K = 100: no 32-wide block fits
+    timed = time_sites(weight, [FormatSpec.parse(f) for f in ("dense", "bsr32", "csr")], 4)
+    assert set(map(str, timed)) == {"dense", "csr"} and all(us > 0 for us in timed.values())
+    assert "bsr32x32 is left out of the timing" in caplog.text

@@ -3,6 +3,7 @@ CUDA-graph replay and as an eager call), the environment header and the results 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -19,6 +20,18 @@ def environment(bench: str) -> dict:
     return {"bench": bench, "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
             "sparsecc": sparsecc.__version__, "date": datetime.date.today().isoformat(), "rows": []}
+
+
+def rotating(call, *tensors, nbytes: int | None = None, max_copies: int | None = None):
+    """A no-argument function running ``call(*copy)`` over copies of ``tensors`` in turn, and
+    the number of copies: enough that ``nbytes`` (default: the tensors' bytes) per copy add up
+    to sparsecc.timing.ROTATE_BYTES, so each call reads its weight from memory, not the L2."""
+    from sparsecc.timing import MAX_COPIES, copies_for
+    nbytes = nbytes if nbytes is not None else sum(t.numel() * t.element_size() for t in tensors)
+    copies = copies_for(nbytes, max_copies or MAX_COPIES)
+    sets = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+    turn = itertools.cycle(sets)
+    return (lambda: call(*next(turn))), copies
 
 
 def time_eager_us(fn, *, warmup_ms=10, rep_ms=40) -> float:

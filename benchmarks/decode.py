@@ -31,7 +31,7 @@ from common import environment, rel_err, time_eager_us, time_graph_us, write  # 
 from kernels import SHAPES, two_four  # noqa: E402
 
 from sparsecc import gpu, runtime, tuning  # noqa: E402
-from sparsecc.timing import MAX_COPIES, ROTATE_BYTES  # noqa: E402
+from sparsecc.timing import copies_for  # noqa: E402
 
 MS = [1, 4, 16]
 
@@ -62,12 +62,11 @@ def main(argv=None) -> dict:
             bias = torch.randn(n, dtype=dtype, device="cuda")
             gemm = gpu.CutlassSparse24Weight.from_dense(w, progress=False)
             small = gpu.Sparse24GemvWeight.pack(w)
-            copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // (w.numel() * w.element_size()))))
-            dense_w = [w] + [w.clone() for _ in range(copies - 1)]          # every call reads its own copy
-            gemm_w = [(gemm.values, gemm.metadata)] + [(gemm.values.clone(), gemm.metadata.clone())
-                                                        for _ in range(copies - 1)]
-            small_w = [(small.values, small.metadata)] + [(small.values.clone(), small.metadata.clone())
-                                                          for _ in range(copies - 1)]
+            copies = copies_for(w.numel() * w.element_size())        # every call reads its own copy
+
+            def copied(*tensors):
+                return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+            dense_w, gemm_w, small_w = copied(w), copied(gemm.values, gemm.metadata), copied(small.values, small.metadata)
             turn = itertools.count()
             for m in MS:
                 x = torch.randn(m, k, dtype=dtype, device="cuda")
@@ -87,7 +86,7 @@ def main(argv=None) -> dict:
                     return lambda: gpu.linear_kernel(x, *small_w[next(turn) % copies], n, k, bias, "relu", False, False,
                                                      table)
 
-                base = add("cublas", lambda: torch.relu(F.linear(x, dense_w[next(turn) % copies], bias)), fmt="dense")
+                base = add("cublas", lambda: torch.relu(F.linear(x, *dense_w[next(turn) % copies], bias)), fmt="dense")
                 add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
                                                                False, False, gemm.kernels))
                 best = None

@@ -20,7 +20,6 @@ benchmarks/results/kernels_csr-<gpu>-<date>.json and a plot beside it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, plot_per_dtype, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, plot_per_dtype, rel_err, rotating, time_eager_us, time_graph_us, write  # noqa: E402
 from kernels_bsr import geomean  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
@@ -37,24 +36,13 @@ from sparsecc.csr_kernel import CsrKernelWeight  # noqa: E402
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [16, 64, 2048, 8192]
 DENSITIES = [0.3, 0.1, 0.05, 0.01]
-ROTATE_BYTES = 128 << 20
-MAX_COPIES = 16
+MAX_COPIES = 16          # weight copies per call cycle (sparsecc.timing.ROTATE_BYTES together)
 
 
 def unstructured_weight(n: int, k: int, density: float, dtype, gen) -> torch.Tensor:
     """Each element kept with probability ``density``, values ~ N(0, 1/(density K))."""
     mask = torch.rand(n, k, generator=gen) < density
     return (torch.randn(n, k, generator=gen) / (density * k) ** 0.5 * mask).to(dtype).cuda()
-
-
-def rotating(call, *tensors):
-    """A no-argument function running ``call(*copy)`` over copies of ``tensors`` in turn (see
-    the module docstring), and the number of copies."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // max(nbytes, 1))))
-    sets = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
-    turn = itertools.cycle(sets)
-    return (lambda: call(*next(turn))), copies
 
 
 def main(argv=None) -> dict:
@@ -107,7 +95,8 @@ def measure_point(w, w_csr, bias, packed, m, density, name, gen, cusparse) -> li
                           sum(t.numel() * t.element_size() for t in (w_csr.crow_indices(), w_csr.col_indices(),
                                                                      w_csr.values())))}
         try:
-            fn, copies = rotating(call, *tensors) if impl != "torch-csr-cusparse" else ((lambda: call(w_csr)), 1)
+            fn, copies = (rotating(call, *tensors, max_copies=MAX_COPIES) if impl != "torch-csr-cusparse"
+                          else ((lambda: call(w_csr)), 1))
             row["rel_err"] = rel_err(fn(), ref)
             row["us_eager"] = time_eager_us(fn)
             if impl == "torch-csr-cusparse":    # reads back to the host: cannot be captured

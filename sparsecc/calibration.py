@@ -341,12 +341,13 @@ def fit_measurements(measurements: list[dict], sms: int) -> dict[str, Fit]:
     fits = {}
     for name, rows in sorted(groups.items()):
         found = fit([point for _, point in rows])
+        fitted = [(w.m, found.predict_us(flops, nbytes, n_steps), us) for w, (flops, nbytes, n_steps, us) in rows]
         residuals: dict[int, list[float]] = {}
-        for w, (flops, nbytes, n_steps, us) in rows:
-            residuals.setdefault(w.m, []).append(math.log(us / found.predict_us(flops, nbytes, n_steps)))
+        for m, predicted, us in fitted:
+            residuals.setdefault(m, []).append(math.log(us / predicted))
         if len(residuals) > 1:
             found.m_profile = {str(m): round(math.exp(sum(r) / len(r)), 4) for m, r in sorted(residuals.items())}
-            errors = sorted(abs(found.predict_us(f, b, n) * found.m_factor(w.m) / us - 1) for w, (f, b, n, us) in rows)
+            errors = sorted(abs(predicted * found.m_factor(m) / us - 1) for m, predicted, us in fitted)
             found.median_error = errors[len(errors) // 2]
         fits[name] = found
     return fits

@@ -247,11 +247,16 @@ class CostModel:
         for a calibration without a reference. A borrowed calibration is scaled to this CPU."""
         if self.device.type != "cpu" or self.calibration is None or not self.calibration.reference_us:
             return 1.0
+        if self._reference is None or time.monotonic() - self._reference[1] > REFERENCE_EVERY_S:
+            self._time_reference()
+        return min(2.0, max(0.5, self._reference[0] / self.calibration.reference_us))
+
+    def _time_reference(self) -> float:
+        """Time :func:`~sparsecc.timing.reference_us` now, keep the fastest seen (and when), return this timing."""
         from .timing import reference_us
-        fastest, when = self._reference or (math.inf, -math.inf)
-        if time.monotonic() - when > REFERENCE_EVERY_S:
-            self._reference = fastest, when = min(fastest, reference_us()), time.monotonic()
-        return min(2.0, max(0.5, fastest / self.calibration.reference_us))
+        now = reference_us()
+        self._reference = min(now, self._reference[0]) if self._reference else now, time.monotonic()
+        return now
 
     def _timed_quietly(self, measure):
         """``measure()``, on the CPU taken while the machine runs at its usual speed: the
@@ -262,14 +267,11 @@ class CostModel:
         which would tilt the comparison."""
         if self.device.type != "cpu":
             return measure()
-        from .timing import reference_us
         for _ in range(TIMING_TRIES):
-            before = reference_us()
+            before = self._time_reference()
             measured = measure()
-            after = reference_us()
-            fastest = min(before, after, self._reference[0] if self._reference else math.inf)
-            self._reference = fastest, time.monotonic()
-            if max(before, after) <= BUSY_FACTOR * fastest:
+            after = self._time_reference()
+            if max(before, after) <= BUSY_FACTOR * self._reference[0]:
                 break
             time.sleep(0.05)
         return measured

@@ -37,6 +37,11 @@ ROTATE_BYTES = 128 << 20
 MAX_COPIES = 32
 
 
+def copies_for(nbytes: int, max_copies: int = MAX_COPIES) -> int:
+    """How many copies of ``nbytes`` of weights make :data:`ROTATE_BYTES` (at most ``max_copies``)."""
+    return max(1, min(max_copies, -(-ROTATE_BYTES // max(nbytes, 1))))
+
+
 def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bool = False,
                 planned_m: int | None = None) -> Callable[[], torch.Tensor]:
     """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows, with
@@ -55,7 +60,7 @@ def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bo
     copies = 1
     if weight.device.type == "cuda":
         nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-        copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // max(nbytes, 1))))
+        copies = copies_for(nbytes)
     sets = [args] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args) for _ in range(copies - 1)]
     turn = itertools.cycle(sets)
 

@@ -2,17 +2,18 @@
 
 - ``cublas``: torch ``F.linear`` then ``relu`` (the baseline),
 - ``sparsecc-gemm``: sparsecc's 2:4 CUTLASS GEMM with its M dispatch table,
-- ``sparsecc-config`` rows: every tiling of the small-batch 2:4 kernel (templates/gemv_sm90_sparse24),
+- ``sparsecc-config`` rows: the small-batch 2:4 kernel (templates/gemv_sm90_sparse24) in each
+  tiling of the batch's bucket (sparsecc.gpu.gemv_candidates),
 - ``sparsecc``: the small-batch 2:4 kernel with the best tiling of this run, through the op.
 
 M in {1, 4, 16}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
 under CUDA-graph replay, ``us_eager`` called eagerly; every call reads its own copy of the
 weight (``copies`` of them, cycled, over 128 MiB together), so weights come from memory as in
 a model, not from the 50 MB L2 cache. The device's copy bandwidth is measured
-first (``copy_gbps``: a 1 GiB device-to-device copy, read + write bytes over time); rows of the
-small-batch kernel carry ``gbps`` (the bytes they must read and write over ``us``) and
-``of_copy`` (that over the copy bandwidth). ``--tuning-out`` writes the packaged tuning table
-with this run's small-batch winners added.
+first (``copy_gbps``: a 1 GiB device-to-device copy, read + write bytes over time; ``read_gbps``:
+a sum over 1 GiB, read bytes over time); rows of the small-batch kernel carry ``gbps`` (the
+bytes they must read and write over ``us``), ``of_copy`` and ``of_read`` (that over the two).
+``--tuning-out`` writes the packaged tuning table with this run's small-batch winners added.
 
     python benchmarks/decode.py [--quick] [--tuning-out sparsecc/tuning.json]
 """
@@ -43,6 +44,12 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * 2 / us / 1e3
 
 
+def read_bandwidth_gbps() -> float:
+    src = torch.randn(1 << 29, device="cuda").half()
+    us = time_graph_us(lambda: src.sum(), calls=2)
+    return src.numel() * 2 / us / 1e3
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two shapes")
@@ -52,7 +59,8 @@ def main(argv=None) -> dict:
     shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
     result = environment("decode")
     result["copy_gbps"] = round(copy_bandwidth_gbps(), 1)
-    print(f"copy bandwidth {result['copy_gbps']} GB/s", flush=True)
+    result["read_gbps"] = round(read_bandwidth_gbps(), 1)
+    print(f"copy bandwidth {result['copy_gbps']} GB/s, read {result['read_gbps']} GB/s", flush=True)
     runtime.ensure([launch.spec for name in args.dtypes for launch in gpu.gemv_candidates(getattr(torch, name))])
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
@@ -90,7 +98,7 @@ def main(argv=None) -> dict:
                 add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
                                                                False, False, gemm.kernels))
                 best = None
-                for launch in gpu.gemv_candidates(dtype):
+                for launch in gpu.gemv_candidates(dtype, m):
                     table = gpu.dispatch_string([(0, launch)])
                     row = add("sparsecc-config", small_batch(table), graph_only=True, config=launch.label,
                               launch={"spec": json.loads(launch.spec.describe()), "swizzle": 1, "splits": 1})
@@ -99,9 +107,10 @@ def main(argv=None) -> dict:
                 table = best[0]
                 gbps = moved / best[1]["us"] / 1e3
                 row = add("sparsecc", small_batch(table),
-                          config=best[1]["config"], gbps=round(gbps, 1), of_copy=round(gbps / result["copy_gbps"], 3))
+                          config=best[1]["config"], gbps=round(gbps, 1), of_copy=round(gbps / result["copy_gbps"], 3),
+                          of_read=round(gbps / result["read_gbps"], 3))
                 print(f"{name} M={m:2d} {n:5d}x{k:5d}: cublas {base['us']:6.1f} us, gemm "
-                      f"{result['rows'][-2 - len(gpu.gemv_candidates(dtype))]['us']:6.1f} us, small-batch "
+                      f"{result['rows'][-2 - len(gpu.gemv_candidates(dtype, m))]['us']:6.1f} us, small-batch "
                       f"{row['us']:6.1f} us ({best[1]['config']}, {gbps:.0f} GB/s = {row['of_copy']:.0%} of copy): "
                       f"{base['us'] / row['us']:.2f}x over cuBLAS (eager {base['us_eager'] / row['us_eager']:.2f}x)",
                       flush=True)

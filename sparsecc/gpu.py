@@ -99,8 +99,8 @@ _DEFAULT_TABLE[Family.GEMV_SM90_SPARSE24] = {1: dict(tile=(4, 2, 1)), 4: dict(ti
                                              16: dict(tile=(4, 2, 16)), 0: dict(tile=(4, 2, 16))}
 
 #: the largest batch the plan runs a 2:4 site with the gemv kernels at: the CUTLASS GEMMs
-#: take over above. Measured on an H100 (benchmarks/decode.py): at M=1 the gemv kernels are
-#: 1.2-2.1x faster than cuBLAS and the GEMMs 0.7-1.5x; at M=4 the GEMMs win
+#: take over above. Measured on an H100 (benchmarks/decode.py, 2026-11-23): at M=1 the gemv
+#: kernels are 1.6-2.1x faster than cuBLAS and the GEMMs 0.7-1.3x; at M=4 the GEMMs mostly win
 GEMV_MAX_M = 1
 
 
@@ -220,11 +220,13 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
     return None
 
 
-def gemv_candidates(dtype: torch.dtype) -> list[Launch]:
-    """The small-batch tilings benchmarks/decode.py measures."""
+def gemv_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
+    """The small-batch tilings benchmarks/decode.py measures: all of them, or those whose rows
+    of x per block are the bucket of batch size ``m`` (GEMV_BUCKETS)."""
     name = str(dtype).replace("torch.", "")
-    return [Launch(KernelSpec(Family.GEMV_SM90_SPARSE24, name, tile=(w, r, m)))
-            for m in (1, 4, 16) for w, r in ((4, 1), (4, 2), (8, 1), (8, 2), (4, 4))]
+    rows_of_x = (1, 4, 16) if m is None else (next(t for bound, t in GEMV_BUCKETS if bound == 0 or m <= bound),)
+    return [Launch(KernelSpec(Family.GEMV_SM90_SPARSE24, name, tile=(w, r, t)))
+            for t in rows_of_x for w, r in ((4, 1), (4, 2), (8, 1), (8, 2), (4, 4))]
 
 
 @dataclass

@@ -201,6 +201,32 @@ def test_cpu_timing_is_taken_again_when_the_machine_was_busy(monkeypatch, gen):
     assert rounds == [0] and not references
 
 
+def test_a_close_call_on_the_cpu_is_timed_again(monkeypatch, gen):
+    """Dense and the fastest sparse candidate within CLOSE_CALL of each other: the shortlist is
+    timed again (at most CLOSE_CALL_RETIMES more times), each candidate keeping its fastest;
+    a clear result is taken once."""
+    from sparsecc import timing
+    from sparsecc.cost import CLOSE_CALL_RETIMES
+    monkeypatch.setattr(timing, "reference_us", lambda: 100.0)      # a quiet machine throughout
+    stats = analyze(unstructured(2048, 2048, 0.01, gen))
+    model = CostModel("cpu", measure=True)
+    results = []
+
+    def measure(specs, m, planned_m):
+        dense_us, sparse_us = results.pop(0)
+        return {s: dense_us if s.kind == "dense" else sparse_us for s in specs}
+    # dense slowed by a burst in the first timing, sparse in the second: neither result stands alone
+    results[:] = [(10.0, 9.8), (8.0, 9.0), (9.0, 6.0)]
+    assert CLOSE_CALL_RETIMES == 2
+    decision = model.decide(stats, 256, None, measure_sites=measure)
+    timed = {p.format: p.measured_us for p in decision.candidates if p.measured_us is not None}
+    assert not results and timed["dense"] == 8.0 and min(timed.values()) == 6.0
+    assert decision.choice.kind != "dense"
+    results[:] = [(10.0, 2.0), (10.0, 2.0)]
+    model.decide(stats, 256, None, measure_sites=measure)
+    assert len(results) == 1
+
+
 def test_a_candidate_that_cannot_run_is_left_out_of_the_timing(gen, caplog):
     from sparsecc.cost import time_sites
     weight = unstructured(96, 100, 0.1, gen)               # K = 100: no 32-wide block fits

@@ -147,10 +147,11 @@ def plot(result: dict, path) -> None:
             ax.bar([i + offset for i in range(len(points))], speedups, 0.4,
                    label={"sparsecc": "sparsecc small-batch 2:4", "sparsecc-gemm": "sparsecc 2:4 GEMM"}[impl])
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks(range(len(points)), labels, fontsize=6)
+        ax.set_xticks(range(len(points)), labels, fontsize=7, rotation=90)
         ax.set_title(f"{dtype}: speedup over cuBLAS (graph replay)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}, copy {result['copy_gbps']} GB/s")
+    read = f", read {result['read_gbps']} GB/s" if "read_gbps" in result else ""
+    fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}, copy {result['copy_gbps']} GB/s{read}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -168,8 +168,10 @@ def _calibrate(args) -> int:
     print(f"calibrated {result.device}: {len(result.measurements)} measurements, saved to "
           f"{calibration.cache_path(device)}")
     for name, fit in result.fits.items():
+        cached = (f" ({fit.cache_bandwidth / 1e9:.1f} GB/s for the first {fit.cache_bytes / 2**20:.0f} MiB)"
+                  if fit.cache_bytes else "")
         print(f"  {name:22s} overhead {fit.overhead_us:8.1f} us  {fit.rate / 1e12:8.3f} Tflop/s  "
-              f"{fit.bandwidth / 1e9:8.1f} GB/s  p={fit.p:.1f}  median error {fit.median_error:.0%} "
+              f"{fit.bandwidth / 1e9:8.1f} GB/s{cached}  p={fit.p:.1f}  median error {fit.median_error:.0%} "
               f"over {fit.points}")
     return 0
 

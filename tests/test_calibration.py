@@ -39,6 +39,31 @@ def test_fit_recovers_a_step_latency():
     assert calib.fit([(f, b, u) for f, b, _, u in points]).step_us == 0.0     # no steps given: none fitted
 
 
+def test_fit_recovers_a_cache_regime():
+    """Weights up to cache_bytes read fast, the rest slower (a CPU's L2): with points on both
+    sides the fit finds both bandwidths; with all points inside the cache it keeps one."""
+    truth = calib.Fit(overhead_us=10.0, rate=4e11, bandwidth=3e10, p=1.0, cache_bytes=4 << 20, cache_bandwidth=1.2e11)
+    gen = torch.Generator().manual_seed(5)
+    points = []
+    for _ in range(50):
+        flops = float(10 ** (5 + 3 * torch.rand(1, generator=gen)))
+        nbytes = float(10 ** (5 + 2.5 * torch.rand(1, generator=gen)))      # 100 KB .. 30 MB
+        noise = 1 + 0.02 * float(torch.randn(1, generator=gen))
+        points.append((flops, nbytes, truth.predict_us(flops, nbytes) * noise))
+    fitted = calib.fit(points, cache_bytes=4 << 20)
+    assert fitted.cache_bandwidth == pytest.approx(1.2e11, rel=0.15) and fitted.bandwidth == pytest.approx(3e10, rel=0.15)
+    for flops, nbytes, _ in points:
+        assert fitted.predict_us(flops, nbytes) == pytest.approx(truth.predict_us(flops, nbytes), rel=0.08)
+    inside = calib.fit([p for p in points if p[1] <= 4 << 20], cache_bytes=4 << 20)
+    assert inside.cache_bytes == 0 and inside.cache_bandwidth == 0        # nothing to tell the regimes apart
+    assert calib.Fit(1.0, 1.0, 2e10, 1.0).memory_us(8e6) == pytest.approx(400.0)
+
+
+def test_cpu_cache_bytes_reads_the_l2_caches():
+    found = calib.cpu_cache_bytes()
+    assert found >= 0 and found == int(found)
+
+
 def test_steps_follow_the_ctas_and_their_loop():
     """A 64x16 block makes four times the steps of a 16x64 one in a quarter of the CTAs."""
     def bsr(block, m=16, n=4096):

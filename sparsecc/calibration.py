@@ -10,8 +10,8 @@ measurement can give:
 ``p`` blends a roofline's max (large p: compute and memory overlap, one kernel) with a sum
 (p = 1: phases that run one after the other, e.g. unpack then multiply). On the CPU a weight
 called again and again stays in the cores' L2 caches when it fits, and is read much faster
-than one that does not (on a 2-core VM: 123 against 29 GB/s): there the bytes up to
-``cache_bytes`` (the L2 of the cores, :func:`cpu_cache_bytes`) move at ``cache_bandwidth``
+than one that does not (on a 2-core VM about 4x faster): there the bytes up to
+``cache_bytes`` (one core's L2, :func:`cpu_cache_bytes`) move at ``cache_bandwidth``
 and the rest at ``bandwidth``. On the GPU every timing reads its weight from memory (copies
 cycled past the L2), so ``cache_bytes`` is 0 there. ``steps`` counts the
 dependent pipeline steps of sparsecc's BSR and CSR kernels on the busiest SM (:func:`steps`):
@@ -535,8 +535,10 @@ def measure(probes: list[Probe], device: torch.device, *, progress: bool = True,
 
 
 def cpu_cache_bytes() -> float:
-    """The L2 cache of this machine's cores together (each L2 counted once, from Linux's
-    /sys/devices/system/cpu), or 0 where that is not readable."""
+    """One core's L2 cache (the largest, from Linux's /sys/devices/system/cpu), or 0 where
+    that is not readable. Not the cores' L2s together: a product's threads do not split a
+    weight evenly and other data competes for the space (on the 2-core VM, 2 MiB L2 each,
+    weights up to 2 MiB are read at the cache's speed, 4 MiB ones not)."""
     sizes = {}
     for level in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
@@ -547,7 +549,7 @@ def cpu_cache_bytes() -> float:
                 "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
         except (OSError, ValueError):
             continue
-    return float(sum(sizes.values()))
+    return float(max(sizes.values(), default=0))
 
 
 def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:

@@ -313,11 +313,22 @@ def fit(points: list[tuple[float, float, float]] | list[tuple[float, float, floa
     """Fit overhead, rate, bandwidth and p (and step_us where the points count steps) to
     ``(flops, bytes, measured us)`` or ``(flops, bytes, steps, measured us)`` points by least
     squares on the log of predicted / measured (a relative error, whatever the scale). With
-    ``cache_bytes`` and points on both sides of it, ``cache_bandwidth`` is fitted too."""
+    ``cache_bytes`` and at least two points on each side of it, ``cache_bandwidth`` is fitted
+    too; should that fit not converge (few points, one parameter more), the one-regime fit
+    is returned."""
+    found = _fit(points, cache_bytes)
+    numbers = (found.overhead_us, found.rate, found.bandwidth, found.p, found.median_error, found.cache_bandwidth)
+    if found.cache_bytes and not all(math.isfinite(x) for x in numbers):
+        return _fit(points, 0.0)
+    return found
+
+
+def _fit(points, cache_bytes: float) -> Fit:
     points = [p if len(p) == 4 else (p[0], p[1], 0.0, p[2]) for p in points]
     flops, nbytes, n_steps, measured = (torch.tensor(column, dtype=torch.float64) for column in zip(*points))
     stepped = bool((n_steps > 0).any())
-    cached = cache_bytes > 0 and bool((nbytes <= cache_bytes).any()) and bool((nbytes > cache_bytes).any())
+    cached = (cache_bytes > 0 and int((nbytes <= cache_bytes).sum()) >= 2
+              and int((nbytes > cache_bytes).sum()) >= 2)
     # start from a roofline through the fastest points
     rate0 = float((flops / (measured * 1e-6)).max().clamp_min(1.0))
     bw0 = float((nbytes / (measured * 1e-6)).max().clamp_min(1.0))

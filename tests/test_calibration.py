@@ -56,6 +56,8 @@ def test_fit_recovers_a_cache_regime():
         assert fitted.predict_us(flops, nbytes) == pytest.approx(truth.predict_us(flops, nbytes), rel=0.08)
     inside = calib.fit([p for p in points if p[1] <= 4 << 20], cache_bytes=4 << 20)
     assert inside.cache_bytes == 0 and inside.cache_bandwidth == 0        # nothing to tell the regimes apart
+    one_beyond = [p for p in points if p[1] <= 4 << 20] + [max(points, key=lambda p: p[1])]
+    assert calib.fit(one_beyond, cache_bytes=4 << 20).cache_bytes == 0    # one point cannot fit a bandwidth
     assert calib.Fit(1.0, 1.0, 2e10, 1.0).memory_us(8e6) == pytest.approx(400.0)
 
 

@@ -98,7 +98,8 @@ def main(argv=None) -> dict:
                 add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
                                                                False, False, gemm.kernels))
                 best = None
-                for launch in gpu.gemv_candidates(dtype, m):
+                candidates = gpu.gemv_candidates(dtype, m)
+                for launch in candidates:
                     table = gpu.dispatch_string([(0, launch)])
                     row = add("sparsecc-config", small_batch(table), graph_only=True, config=launch.label,
                               launch={"spec": json.loads(launch.spec.describe()), "swizzle": 1, "splits": 1})
@@ -110,7 +111,7 @@ def main(argv=None) -> dict:
                           config=best[1]["config"], gbps=round(gbps, 1), of_copy=round(gbps / result["copy_gbps"], 3),
                           of_read=round(gbps / result["read_gbps"], 3))
                 print(f"{name} M={m:2d} {n:5d}x{k:5d}: cublas {base['us']:6.1f} us, gemm "
-                      f"{result['rows'][-2 - len(gpu.gemv_candidates(dtype, m))]['us']:6.1f} us, small-batch "
+                      f"{result['rows'][-2 - len(candidates)]['us']:6.1f} us, small-batch "
                       f"{row['us']:6.1f} us ({best[1]['config']}, {gbps:.0f} GB/s = {row['of_copy']:.0%} of copy): "
                       f"{base['us'] / row['us']:.2f}x over cuBLAS (eager {base['us_eager'] / row['us_eager']:.2f}x)",
                       flush=True)

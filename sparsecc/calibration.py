@@ -550,17 +550,16 @@ def cpu_cache_bytes() -> float:
     that is not readable. Not the cores' L2s together: a product's threads do not split a
     weight evenly and other data competes for the space (on the 2-core VM, 2 MiB L2 each,
     weights up to 2 MiB are read at the cache's speed, 4 MiB ones not)."""
-    sizes = {}
+    largest = 0
     for level in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
             if (level / "level").read_text().strip() != "2" or (level / "type").read_text().strip() == "Instruction":
                 continue
             size = (level / "size").read_text().strip()
-            sizes[(level / "shared_cpu_list").read_text().strip()] = int(size.rstrip("KMG")) * {
-                "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+            largest = max(largest, int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1))
         except (OSError, ValueError):
             continue
-    return float(max(sizes.values(), default=0))
+    return float(largest)
 
 
 def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:

@@ -287,8 +287,12 @@ class CostModel:
         :data:`CLOSE_CALL_RETIMES` more times, each candidate keeping its fastest."""
         measured = self._timed_quietly(measure)
         for _ in range(CLOSE_CALL_RETIMES if self.device.type == "cpu" else 0):
-            dense = next((us for s, us in measured.items() if FormatSpec.parse(str(s)).kind == "dense"), None)
-            sparse = [us for s, us in measured.items() if FormatSpec.parse(str(s)).kind != "dense"]
+            dense, sparse = None, []
+            for spec, us in measured.items():
+                if FormatSpec.parse(str(spec)).kind == "dense":
+                    dense = us
+                else:
+                    sparse.append(us)
             if dense is None or not sparse or not CLOSE_CALL[0] <= min(sparse) / dense <= CLOSE_CALL[1]:
                 break
             again = self._timed_quietly(measure)

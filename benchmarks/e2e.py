@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
                 print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done
             plot(result, path.with_suffix(".png"))
-        del model, impls
+        model = impls = None                # free the GPU memory before the next model
         torch.cuda.empty_cache()
     print("wrote", path)
     for case in dict.fromkeys(r["model"] for r in result["rows"]):

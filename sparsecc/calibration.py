@@ -11,9 +11,17 @@ measurement can give:
 (p = 1: phases that run one after the other, e.g. unpack then multiply). On the CPU a weight
 called again and again stays in the cores' L2 caches when it fits, and is read much faster
 than one that does not (on a 2-core VM about 4x faster): there the bytes up to
-``cache_bytes`` (one core's L2, :func:`cpu_cache_bytes`) move at ``cache_bandwidth``
-and the rest at ``bandwidth``. On the GPU every timing reads its weight from memory (copies
-cycled past the L2), so ``cache_bytes`` is 0 there. ``steps`` counts the
+``cache_bytes`` move at ``cache_bandwidth`` and the rest at ``bandwidth``. Where that
+boundary lies (one core's L2, or a share of the last-level cache) depends on the machine and
+the implementation; the calibration tries each (:func:`cache_boundaries`) and keeps, per
+implementation, the one that fits its probes best. On the GPU every timing reads its weight from memory (copies
+cycled past the L2), so ``cache_bytes`` is 0 there. Also on the CPU, torch's kernels spend on
+the activations more than their bytes' worth: oneDNN reorders x for its 16-bit products (a
+1024x256 weight multiplies 256 rows in 92 us, a 256x1024 one in 163), torch's CSR product
+walks x and y per row of the batch (about 1.3 ns per element of either at 1% density,
+whatever N, K or the stored count). The bytes of x and of y therefore cost extra time at
+``x_bandwidth`` and ``y_bandwidth`` of their own (:func:`activation_bytes`; fitted on the
+CPU only, 0 meaning not modelled). ``steps`` counts the
 dependent pipeline steps of sparsecc's BSR and CSR kernels on the busiest SM (:func:`steps`):
 at small batch these kernels wait on each step's loads, so their time follows the steps a
 CTA runs one after another, not the bytes (a 64x16 block makes four times the steps of a
@@ -133,6 +141,13 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     return 2.0 * m * nnz, nnz * (e + 4) + n * 4 + act + converted + m * n * wide
 
 
+def activation_bytes(w: Workload) -> tuple[float, float]:
+    """``(x bytes, y bytes)`` of ``w``: what the activation terms of a fit (``x_bandwidth``,
+    ``y_bandwidth``) charge for, beyond their share of :func:`work`'s bytes."""
+    e = element_size(w.dtype)
+    return float(w.m * w.k * e), float(w.m * w.n * e)
+
+
 #: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
 #: kCtasPerSm: three or two for the largest tiles), the cp.async BSR kernel and the CSR kernel two
 RESIDENT_CTAS = {"bsr-kernel": 4, "bsr-kernel-small": 2, "csr-kernel": 2}
@@ -180,17 +195,23 @@ class Fit:
     #: bytes read at ``cache_bandwidth`` before the rest moves at ``bandwidth`` (0: one regime)
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
+    #: the extra cost of x's and of y's bytes (:func:`activation_bytes`; 0: not modelled)
+    x_bandwidth: float = 0.0
+    y_bandwidth: float = 0.0
 
-    def memory_us(self, nbytes: float) -> float:
-        """Microseconds to move ``nbytes``: the cached part first, then the rest."""
+    def memory_us(self, nbytes: float, x_bytes: float = 0.0, y_bytes: float = 0.0) -> float:
+        """Microseconds to move ``nbytes``: the cached part first, then the rest; plus the
+        extra time of the activations' bytes where it is modelled."""
+        extra = sum(b / bw for b, bw in ((x_bytes, self.x_bandwidth), (y_bytes, self.y_bandwidth)) if bw > 0)
         if self.cache_bytes <= 0 or self.cache_bandwidth <= 0:
-            return nbytes / self.bandwidth * 1e6
+            return (nbytes / self.bandwidth + extra) * 1e6
         cached = min(nbytes, self.cache_bytes)
-        return (cached / self.cache_bandwidth + (nbytes - cached) / self.bandwidth) * 1e6
+        return (cached / self.cache_bandwidth + (nbytes - cached) / self.bandwidth + extra) * 1e6
 
-    def predict_us(self, flops: float, nbytes: float, n_steps: float = 0.0) -> float:
+    def predict_us(self, flops: float, nbytes: float, n_steps: float = 0.0, x_bytes: float = 0.0,
+                   y_bytes: float = 0.0) -> float:
         """The fitted time, before :meth:`m_factor`."""
-        compute, memory = flops / self.rate * 1e6, self.memory_us(nbytes)
+        compute, memory = flops / self.rate * 1e6, self.memory_us(nbytes, x_bytes, y_bytes)
         latency = n_steps * self.step_us
         return self.overhead_us + (compute ** self.p + memory ** self.p + latency ** self.p) ** (1 / self.p)
 
@@ -230,7 +251,7 @@ class Calibration:
         fit = self.fit_for(w.impl, w.dtype)
         if fit is None:
             return None
-        return fit.predict_us(*work(w, self.sms), steps(w, self.sms)) * fit.m_factor(w.m)
+        return fit.predict_us(*work(w, self.sms), steps(w, self.sms), *activation_bytes(w)) * fit.m_factor(w.m)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -308,34 +329,36 @@ def for_device(device: torch.device | str) -> Calibration | None:
 
 # ------------------------------------------------------------------------ fitting
 
-def fit(points: list[tuple[float, float, float]] | list[tuple[float, float, float, float]], *,
-        cache_bytes: float = 0.0) -> Fit:
+def fit(points: list[tuple[float, ...]], *, cache_bytes: float = 0.0,
+        activations: list[tuple[float, float]] | None = None) -> Fit:
     """Fit overhead, rate, bandwidth and p (and step_us where the points count steps) to
     ``(flops, bytes, measured us)`` or ``(flops, bytes, steps, measured us)`` points by least
     squares on the log of predicted / measured (a relative error, whatever the scale). With
     ``cache_bytes`` and at least two points on each side of it, ``cache_bandwidth`` is fitted
-    too; should that fit not converge (few points, one parameter more), the one-regime fit
-    is returned."""
-    found = _fit(points, cache_bytes)
-    numbers = (found.overhead_us, found.rate, found.bandwidth, found.p, found.median_error, found.cache_bandwidth)
-    if found.cache_bytes and not all(math.isfinite(x) for x in numbers):
-        return _fit(points, 0.0)
+    too; with ``activations`` (each point's x and y bytes, :func:`activation_bytes`),
+    ``x_bandwidth`` and ``y_bandwidth``. Should a fit with these extra terms not converge
+    (few points, parameters more), the plain one-regime fit is returned."""
+    found = _fit(points, cache_bytes, activations)
+    numbers = (found.overhead_us, found.rate, found.bandwidth, found.p, found.median_error, found.cache_bandwidth,
+               found.x_bandwidth, found.y_bandwidth)
+    if (found.cache_bytes or activations) and not all(math.isfinite(x) for x in numbers):
+        return _fit(points, 0.0, None)
     return found
 
 
-def _fit(points, cache_bytes: float) -> Fit:
+def _fit(points, cache_bytes: float, activations) -> Fit:
     points = [p if len(p) == 4 else (p[0], p[1], 0.0, p[2]) for p in points]
     flops, nbytes, n_steps, measured = (torch.tensor(column, dtype=torch.float64) for column in zip(*points))
+    x_bytes, y_bytes = (torch.tensor(column, dtype=torch.float64) for column in zip(*(activations or [(0.0, 0.0)])))
     stepped = bool((n_steps > 0).any())
     cached = (cache_bytes > 0 and int((nbytes <= cache_bytes).sum()) >= 2
               and int((nbytes > cache_bytes).sum()) >= 2)
-    # start from a roofline through the fastest points
+    active = activations is not None and bool((x_bytes > 0).any())
+    # start from a roofline through the fastest points (the activations' own terms start small)
     rate0 = float((flops / (measured * 1e-6)).max().clamp_min(1.0))
     bw0 = float((nbytes / (measured * 1e-6)).max().clamp_min(1.0))
     step0 = float((measured / n_steps.clamp_min(1.0)).median()) * 0.5 if stepped else 1.0
     c0 = float(measured.min()) * 0.5
-    params = torch.tensor([math.log(max(c0, 0.1)), math.log(rate0), math.log(bw0), 0.0, math.log(max(step0, 1e-3)),
-                           math.log(bw0)], dtype=torch.float64, requires_grad=True)
 
     def predicted(theta):
         c, rate, bw = theta[0].exp(), theta[1].exp(), theta[2].exp()
@@ -345,47 +368,78 @@ def _fit(points, cache_bytes: float) -> Fit:
             memory = (in_cache / theta[5].exp() + (nbytes - in_cache) / bw) * 1e6
         else:
             memory = nbytes / bw * 1e6
+        if active:
+            memory = memory + (x_bytes / theta[6].exp() + y_bytes / theta[7].exp()) * 1e6
         terms = [flops / rate * 1e6, memory] + ([n_steps * theta[4].exp()] if stepped else [])
         scale = torch.stack(terms).amax(0)
         return c + scale * sum((t / scale) ** p for t in terms) ** (1 / p)
 
-    optimizer = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
+    def solve(p_start: float) -> tuple[float, torch.Tensor]:
+        params = torch.tensor([math.log(max(c0, 0.1)), math.log(rate0), math.log(bw0), p_start,
+                               math.log(max(step0, 1e-3)), math.log(bw0), math.log(bw0 * 10), math.log(bw0 * 10)],
+                              dtype=torch.float64, requires_grad=True)
+        optimizer = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
 
-    def closure():
-        optimizer.zero_grad()
-        loss = ((predicted(params) / measured).log() ** 2).mean()
-        loss.backward()
-        return loss
-    optimizer.step(closure)
+        def closure():
+            optimizer.zero_grad()
+            loss = ((predicted(params) / measured).log() ** 2).mean()
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+        with torch.no_grad():
+            loss = float(((predicted(params) / measured).log() ** 2).mean())
+        return (loss if math.isfinite(loss) else math.inf), params.detach()
+
+    # from a blend between max and sum (p = 4.5) and from a sum (p = 1.1): one start can stall
+    # where the other does not (torch's CPU CSR product, 8 probes: 41% median error against 9%)
+    _, params = min((solve(start) for start in (0.0, -4.0)), key=lambda found: found[0])
     with torch.no_grad():
         errors = (predicted(params) / measured - 1).abs()
-        c, rate, bw, q, step, cache_bw = params.tolist()
+        c, rate, bw, q, step, cache_bw, x_bw, y_bw = params.tolist()
     return Fit(overhead_us=math.exp(c), rate=math.exp(rate), bandwidth=math.exp(bw),
                p=1 + 7 * float(torch.sigmoid(torch.tensor(q))), points=len(points), median_error=float(errors.median()),
                step_us=math.exp(step) if stepped else 0.0, cache_bytes=cache_bytes if cached else 0.0,
-               cache_bandwidth=math.exp(cache_bw) if cached else 0.0)
+               cache_bandwidth=math.exp(cache_bw) if cached else 0.0,
+               x_bandwidth=math.exp(x_bw) if active else 0.0, y_bandwidth=math.exp(y_bw) if active else 0.0)
 
 
-def fit_measurements(measurements: list[dict], sms: int, *, cache_bytes: float = 0.0) -> dict[str, Fit]:
+def fit_measurements(measurements: list[dict], sms: int, *, cache_bytes: float | list[float] = 0.0,
+                     activations: bool = False) -> dict[str, Fit]:
     """One :class:`Fit` per implementation and dtype class found in ``measurements``, with its
-    M profile where the probes span more than one M (and the cache regime of :func:`fit`)."""
+    M profile where the probes span more than one M (and the cache regime and, with
+    ``activations``, the activation terms of :func:`fit`). Given a list of cache boundaries
+    (:func:`cache_boundaries`), each implementation keeps the one, or none, that explains its
+    probes best: their weights straddle different caches (a BSR product reads its stored
+    blocks, a dense one the whole weight). Likewise with or without the activation terms."""
     groups: dict[str, list] = {}
     for row in measurements:
         w = workload_from_row(row)
         groups.setdefault(f"{w.impl}/{dtype_class(w.dtype)}", []).append((w, (*work(w, sms), steps(w, sms), row["us"])))
+    tried = [0.0, *cache_bytes] if isinstance(cache_bytes, (list, tuple)) else [cache_bytes]
+    # the simpler fits are tried too: with few probes the optimizer can stall on more parameters
+    variants = list(dict.fromkeys((boundary, extra) for boundary in tried for extra in {activations, False}))
     fits = {}
     for name, rows in sorted(groups.items()):
-        found = fit([point for _, point in rows], cache_bytes=cache_bytes)
-        fitted = [(w.m, found.predict_us(flops, nbytes, n_steps), us) for w, (flops, nbytes, n_steps, us) in rows]
-        residuals: dict[int, list[float]] = {}
-        for m, predicted, us in fitted:
-            residuals.setdefault(m, []).append(math.log(us / predicted))
-        if len(residuals) > 1:
-            found.m_profile = {str(m): round(math.exp(sum(r) / len(r)), 4) for m, r in sorted(residuals.items())}
-            errors = sorted(abs(predicted * found.m_factor(m) / us - 1) for m, predicted, us in fitted)
-            found.median_error = errors[len(errors) // 2]
-        fits[name] = found
+        found = [_fit_group(rows, boundary, extra) for boundary, extra in variants]
+        fits[name] = min(found, key=lambda pair: pair[0])[1]
     return fits
+
+
+def _fit_group(rows: list, cache_bytes: float, activations: bool) -> tuple[float, Fit]:
+    """One implementation's :class:`Fit` and M profile, with its mean squared log error."""
+    found = fit([point for _, point in rows], cache_bytes=cache_bytes,
+                activations=[activation_bytes(w) for w, _ in rows] if activations else None)
+    fitted = [(w.m, found.predict_us(flops, nbytes, n_steps, *activation_bytes(w)), us)
+              for w, (flops, nbytes, n_steps, us) in rows]
+    residuals: dict[int, list[float]] = {}
+    for m, predicted, us in fitted:
+        residuals.setdefault(m, []).append(math.log(us / predicted))
+    if len(residuals) > 1:
+        found.m_profile = {str(m): round(math.exp(sum(r) / len(r)), 4) for m, r in sorted(residuals.items())}
+        errors = sorted(abs(predicted * found.m_factor(m) / us - 1) for m, predicted, us in fitted)
+        found.median_error = errors[len(errors) // 2]
+    loss = sum(math.log(predicted * found.m_factor(m) / us) ** 2 for m, predicted, us in fitted) / len(fitted)
+    return (loss if math.isfinite(loss) else math.inf), found
 
 
 def workload_from_row(row: dict) -> Workload:
@@ -481,6 +535,9 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
     for n, k in shapes[:2] + [(128, 512), (2048, 2048)]:      # small and large: the overhead and the unpacking apart
         probes += [Probe(n, k, "2:4", 0.5, "2:4", m, dtype) for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
     probes += [Probe(128, 512, "dense", 1.0, "dense", m, dtype) for m in (1, 8, 64, 256) for dtype in ("float32", "bfloat16")]
+    # weights of 5-36 MB: where a large last-level cache stops holding a weight (cache_boundaries)
+    probes += [Probe(1536, 1536, "dense", 1.0, "dense", m, dtype) for m in (1, 8, 64) for dtype in ("float32", "bfloat16")]
+    probes += [Probe(3072, 3072, "dense", 1.0, "dense", m, "float32") for m in (1, 8)]
     for block in (16, 32, 64):
         for density in (0.5, 0.1):
             probes += [Probe(1024, 1024, f"block{block}", density, f"bsr{block}", m, "float32")
@@ -545,21 +602,33 @@ def measure(probes: list[Probe], device: torch.device, *, progress: bool = True,
              "us": round(fastest[i], 3)} for i in sorted(fastest)]
 
 
-def cpu_cache_bytes() -> float:
-    """One core's L2 cache (the largest, from Linux's /sys/devices/system/cpu), or 0 where
-    that is not readable. Not the cores' L2s together: a product's threads do not split a
-    weight evenly and other data competes for the space (on the 2-core VM, 2 MiB L2 each,
-    weights up to 2 MiB are read at the cache's speed, 4 MiB ones not)."""
-    largest = 0
-    for level in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+def cpu_caches() -> dict[int, float]:
+    """The largest data (or unified) cache of each level, in bytes, from Linux's
+    /sys/devices/system/cpu; empty where that is not readable."""
+    sizes: dict[int, float] = {}
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
-            if (level / "level").read_text().strip() != "2" or (level / "type").read_text().strip() == "Instruction":
+            if (index / "type").read_text().strip() == "Instruction":
                 continue
-            size = (level / "size").read_text().strip()
-            largest = max(largest, int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1))
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            found = int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
         except (OSError, ValueError):
             continue
-    return float(largest)
+        sizes[level] = float(max(found, sizes.get(level, 0)))
+    return sizes
+
+
+def cache_boundaries(caches: dict[int, float]) -> list[float]:
+    """Sizes up to which a weight called again and again may stay cached: one core's L2, and a
+    quarter, half and all of the last level (shared with other cores and other data, a
+    product's threads do not split a weight evenly). Which one holds is measured, per
+    implementation (:func:`fit_measurements`): a 2-core VM with 1 MiB L2s and a 32 MiB L3
+    reads 4 MiB weights at 2.5x the speed of 16 MiB ones."""
+    found = [caches[2]] if caches.get(2) else []
+    last = caches.get(max(caches)) if caches and max(caches) > 2 else None
+    found += [last * f for f in (0.25, 0.5, 1.0)] if last else []
+    return sorted(set(found))
 
 
 def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:
@@ -569,8 +638,11 @@ def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, sav
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
     reference = [] if device.type == "cpu" else None
     rows = measure(calibration_workloads(device), device, progress=progress, reference=reference)
-    cache = cpu_cache_bytes() if device.type == "cpu" else 0.0
-    calibration = Calibration(key=key, device=name, fits=fit_measurements(rows, sms, cache_bytes=cache), sms=sms,
+    if device.type == "cpu":
+        fits = fit_measurements(rows, sms, cache_bytes=cache_boundaries(cpu_caches()), activations=True)
+    else:
+        fits = fit_measurements(rows, sms)
+    calibration = Calibration(key=key, device=name, fits=fits, sms=sms,
                               measurements=rows,
                               reference_us=round(min(reference), 3) if reference else None)
     if save_result:

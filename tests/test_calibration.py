@@ -61,9 +61,61 @@ def test_fit_recovers_a_cache_regime():
     assert calib.Fit(1.0, 1.0, 2e10, 1.0).memory_us(8e6) == pytest.approx(400.0)
 
 
-def test_cpu_cache_bytes_reads_the_l2_caches():
-    found = calib.cpu_cache_bytes()
-    assert found >= 0 and found == int(found)
+def test_fit_recovers_the_activations_extra_cost():
+    """x and y cost time of their own (torch's CPU CSR product walks them per row of the batch,
+    oneDNN reorders x): given each point's x and y bytes, the fit finds both rates; without
+    them it keeps one memory term."""
+    truth = calib.Fit(overhead_us=20.0, rate=7e10, bandwidth=2e10, p=1.0, x_bandwidth=3e9, y_bandwidth=6e9)
+    gen = torch.Generator().manual_seed(6)
+    points, activations = [], []
+    for _ in range(60):
+        m, n, k = (int(2 ** (lo + span * float(torch.rand(1, generator=gen)))) for lo, span in ((0, 9), (8, 3), (8, 3)))
+        density = float(10 ** (-2 + 1.5 * torch.rand(1, generator=gen)))
+        w = calib.Workload("csr", "float32", m, n, k, density=density)
+        flops, nbytes = calib.work(w)
+        x_bytes, y_bytes = calib.activation_bytes(w)
+        assert (x_bytes, y_bytes) == (4.0 * m * k, 4.0 * m * n)
+        noise = 1 + 0.02 * float(torch.randn(1, generator=gen))
+        points.append((flops, nbytes, truth.predict_us(flops, nbytes, 0.0, x_bytes, y_bytes) * noise))
+        activations.append((x_bytes, y_bytes))
+    fitted = calib.fit(points, activations=activations)
+    assert fitted.median_error < 0.03
+    assert fitted.x_bandwidth == pytest.approx(3e9, rel=0.2) and fitted.y_bandwidth == pytest.approx(6e9, rel=0.2)
+    for (flops, nbytes, _), (x_bytes, y_bytes) in zip(points, activations):
+        assert fitted.predict_us(flops, nbytes, 0.0, x_bytes, y_bytes) == pytest.approx(
+            truth.predict_us(flops, nbytes, 0.0, x_bytes, y_bytes), rel=0.08)
+    plain = calib.fit(points)
+    assert plain.x_bandwidth == plain.y_bandwidth == 0 and plain.median_error > fitted.median_error
+    assert calib.Fit(1.0, 1.0, 2e10, 1.0, x_bandwidth=1e9).memory_us(8e6, 1e6, 5e6) == pytest.approx(400.0 + 1000.0)
+
+
+def test_cpu_caches_and_the_boundaries_tried():
+    caches = calib.cpu_caches()
+    assert all(level >= 1 and size > 0 and size == int(size) for level, size in caches.items())
+    mib = 1 << 20
+    assert calib.cache_boundaries({1: 32768.0, 2: 1.0 * mib, 3: 32.0 * mib}) == [mib, 8 * mib, 16 * mib, 32 * mib]
+    assert calib.cache_boundaries({2: 2.0 * mib}) == [2 * mib] and calib.cache_boundaries({}) == []
+
+
+def test_the_cache_boundary_is_chosen_by_the_measurements():
+    """Weights read fast up to 8 MiB (a share of a large L3), slowly beyond: of the boundaries
+    tried, the calibration keeps the one its probes show."""
+    mib = 1 << 20
+    truth = calib.Fit(overhead_us=15.0, rate=3e11, bandwidth=2e10, p=1.0, cache_bytes=8 * mib, cache_bandwidth=8e10)
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+    for n, k in ((256, 1024), (1024, 1024), (1536, 1536), (2048, 2048), (3072, 3072), (512, 4096)):
+        for m in (1, 8, 64):
+            w = calib.Workload("dense", "float32", m, n, k)
+            noise = 1 + 0.02 * float(torch.randn(1, generator=gen))
+            rows.append({**vars(w), "us": truth.predict_us(*calib.work(w)) * noise})
+    fits = calib.fit_measurements(rows, calib.DEFAULT_SMS, cache_bytes=[mib, 8 * mib, 16 * mib, 32 * mib])
+    assert fits["dense/float32"].cache_bytes == 8 * mib
+    assert fits["dense/float32"].cache_bandwidth == pytest.approx(8e10, rel=0.25)
+    # no cache regime in the data: no boundary is needed to explain it
+    one_regime = calib.Fit(overhead_us=15.0, rate=3e11, bandwidth=2e10, p=1.0)
+    flat = [{**row, "us": one_regime.predict_us(*calib.work(calib.workload_from_row(row)))} for row in rows]
+    assert calib.fit_measurements(flat, calib.DEFAULT_SMS, cache_bytes=[mib, 8 * mib])["dense/float32"].median_error < 0.01
 
 
 def test_steps_follow_the_ctas_and_their_loop():

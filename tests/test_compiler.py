@@ -1,6 +1,5 @@
 """sparsecc.compile / sparsecc.plan end to end on CPU: lossless on random models, exact
 choices only, the formats restriction, plan replay, Hugging Face models, bad input."""
-import math
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ shapes and batch sizes, poisoned outputs, other operand layouts, CUDA graphs, an
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import sparsecc
 from sparsecc import gpu, runtime

@@ -59,8 +59,6 @@ def test_ops_match_fp64_reference(spec, dtype, activation, x_transposed, transpo
 
 
 def test_one_dimensional_input(gen):
-    w = unstructured(24, 40, 0.3, gen)
-    x = torch.randn(40, generator=gen)
     for spec in SPECS[:2] + SPECS[3:4] + ["csr"]:
         w_spec = weight_for(FormatSpec.parse(spec), 32, 40 if spec != "bsr16" else 32, gen, torch.float32)
         x = torch.randn(w_spec.shape[1], generator=gen)

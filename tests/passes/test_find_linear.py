@@ -1,6 +1,5 @@
 """find_linear: every spelling of a linear with a constant weight becomes a site whose
 effective weight is [N, K]; nothing else does; the graph is unchanged."""
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

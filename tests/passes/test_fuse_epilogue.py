@@ -1,5 +1,4 @@
 """fuse_epilogue: Before/Expected graphs for each absorbable consumer, and numerics."""
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -106,18 +106,23 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
         kept = n * k * w.density
         return 2.0 * m * n * k, kept * (e + 1) + 2 * n * k * e + act
-    if w.impl in ("bsr-kernel", "bsr-kernel-small"):
-        # stored blocks only, x's rows padded to the tile. Loads bound both kernels (wgmma with
-        # TMA loads above 16 rows, the cp.async one below): every block row gathers its columns
-        # of x again, and every tile of x's rows reads the stored blocks again; the NaN pass
-        # reads x once more
+    if w.impl == "bsr-kernel-small":
+        # the streaming kernel: the stored blocks and their block columns read once (x's
+        # matching inputs come from L1/L2), y written once; fp32 math on CUDA cores
+        h, bw = w.block or (32, 32)
+        stored = (w.block_density if w.block_density is not None else w.density) * n * k
+        return 2.0 * m * stored, stored * e + stored / (h * bw) * 4 + m * k * e + m * n * e
+    if w.impl == "bsr-kernel":
+        # stored blocks only, x's rows padded to the tile. Loads bound the kernel (TMA): every
+        # block row gathers its columns of x again, and every tile of x's rows reads the stored
+        # blocks again; the NaN pass reads x once more
         h, bw = w.block or (32, 32)
         tile_m = (w.tile or (h, 128))[1]
         stored = (w.block_density if w.block_density is not None else w.density) * n * k
         tiles = math.ceil(m / tile_m)
         gathered = m * stored / h * e + tiles * stored * e
         # an MMA narrower than 64 outputs (the block's rows) issues as slowly as a 64-wide one
-        narrow = max(1.0, 64 / h) if w.impl == "bsr-kernel" else 1.0
+        narrow = max(1.0, 64 / h)
         # one CTA per block row and tile of x: with fewer CTAs than SMs, the idle SMs' share of
         # the bandwidth is lost (counted as more bytes)
         idle = max(1.0, sms / (math.ceil(n / h) * tiles))
@@ -149,13 +154,35 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 
 
 #: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
-#: kCtasPerSm: three or two for the largest tiles), the cp.async BSR kernel and the CSR kernel two
-RESIDENT_CTAS = {"bsr-kernel": 4, "bsr-kernel-small": 2, "csr-kernel": 2}
+#: kCtasPerSm: three or two for the largest tiles), the CSR kernel two
+RESIDENT_CTAS = {"bsr-kernel": 4, "csr-kernel": 2}
+#: warps resident per SM of the streaming BSR kernel (64 registers a thread), and the warps it
+#: lets share a block row at most (templates/bsr_sm90.cu.j2: kMaxSplit)
+STREAM_WARPS_PER_SM, STREAM_MAX_SPLIT = 32, 4
+
+
+def _stream_steps(w: Workload, sms: int) -> float:
+    """The streaming BSR kernel's rounds of loads one after another on the busiest warp slot:
+    a warp's rounds (its share of a block row's blocks, kLoads in flight per round) times the
+    waves of warps, with the kernel's split of block rows across warps."""
+    h, bw = w.block or (32, 32)
+    tile_m = (w.tile or (h, 1))[1]
+    density = w.block_density if w.block_density is not None else w.density
+    slices = w.n * bw / 256                      # a warp takes 256 / bw weight rows
+    split = 1
+    while split < STREAM_MAX_SPLIT and slices * split * 2 <= sms * 64:
+        split *= 2
+    loads = 4 if tile_m == 1 else 2
+    rounds = max(1.0, math.ceil(density * w.k / bw / (split * loads)))
+    warps = slices * split * math.ceil(w.m / tile_m)
+    return rounds * max(1.0, warps / (sms * STREAM_WARPS_PER_SM))
 
 
 def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
     """Dependent pipeline steps on the busiest SM (see the module docstring): the steps of one
     CTA times the CTAs each resident slot runs; 0 for implementations not modelled by steps."""
+    if w.impl == "bsr-kernel-small":
+        return _stream_steps(w, sms)
     if w.impl not in RESIDENT_CTAS:
         return 0.0
     from .codegen import CSR_TILE_N, Family, KernelSpec
@@ -171,7 +198,7 @@ def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
     h, bw = w.block or (32, 32)
     tile_m = (w.tile or (h, 64))[1]
     density = w.block_density if w.block_density is not None else w.density
-    step_k = min(bw, 64) if w.impl == "bsr-kernel" else 64       # the wgmma kernel loads one block (or 64 columns) per step
+    step_k = min(bw, 64)       # the wgmma kernel loads one block (or 64 columns) per step
     per_cta = density * w.k / step_k
     ctas = math.ceil(w.n / h) * math.ceil(w.m / tile_m)
     return per_cta * max(1.0, ctas / (sms * RESIDENT_CTAS[w.impl]))

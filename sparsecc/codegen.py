@@ -93,24 +93,13 @@ TILES = {
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not
 BSR_BLOCK_SIDES = (16, 32, 64, 128)
-BSR_TILE_M = (16, 32, 64, 128)
+#: rows of x per CTA of the small-batch (streaming) BSR kernel
+BSR_STREAM_TILE_M = (1, 2, 4)
 #: rows of x per CTA of the wgmma BSR kernel: one consumer warpgroup of 64 rows, or two
 BSR_WGMMA_TILE_M = (64, 128, 256)
 
-
-def bsr_warps(block_rows: int, tile_m: int) -> tuple[int, int] | None:
-    """Warps (along x's rows, along the block's rows) of a BSR CTA, or None if the tile has
-    no layout: each warp takes at most 64 x 32 of the output, in 16 x 16 steps."""
-    warps_n = {16: 1, 32: 2, 64: 2, 128: 4}[block_rows]
-    warps_m = min(2 if block_rows >= 32 else 4, tile_m // 16)
-    if block_rows % (16 * warps_n) or tile_m % (16 * warps_m) or tile_m // warps_m > 64:
-        return None
-    return warps_m, warps_n
-
-
 # (block rows, block columns, rows of x per CTA)
-TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_TILE_M
-                          if bsr_warps(h, m) is not None}
+TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_STREAM_TILE_M}
 TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_WGMMA_TILE_M}
 #: the unstructured kernel: rows of a weight tile (its columns are 64), rows of x per CTA, and the
 #: stored entries a tile may have (the packing picks the smallest that holds its fullest tile)
@@ -122,7 +111,7 @@ DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
-                Family.BSR_SM90: (64, 64, 128), Family.BSR_SM90_WGMMA: (64, 64, 128),
+                Family.BSR_SM90: (64, 64, 1), Family.BSR_SM90_WGMMA: (64, 64, 128),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
@@ -189,18 +178,6 @@ class KernelSpec:
     def epilogue_schedule(self) -> str:
         return {Schedule.COOPERATIVE: "TmaWarpSpecializedCooperative",
                 Schedule.PINGPONG: "TmaWarpSpecialized"}[self.schedule]
-
-    @property
-    def bsr_warps(self) -> tuple[int, int]:
-        """(warps along x's rows, warps along the block's rows) of a BSR kernel."""
-        return bsr_warps(self.tile[0], self.tile[2])
-
-    @property
-    def bsr_stages(self) -> int:
-        """Shared-memory pipeline stages of a BSR kernel: as many as keep two CTAs per SM."""
-        h, _, tile_m = self.tile
-        stage_bytes = (h + tile_m) * 64 * 2
-        return max(2, min(4, (100 * 1024) // stage_bytes))
 
     @property
     def csr_warps(self) -> tuple[int, int]:

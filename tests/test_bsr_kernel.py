@@ -71,8 +71,10 @@ def test_dispatch_has_a_kernel_per_bucket_for_every_block():
                        and launch.spec.tile[:2] == (h, w) for _, launch in table)
     assert kernel_for_rows(1) == DEFAULT_KERNEL[1] and kernel_for_rows(100_000) == DEFAULT_KERNEL[0]
     with pytest.raises(InputError):
-        KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 128), transpose_out=True)
-    assert KernelSpec(Family.BSR_SM90, "bfloat16", tile=(16, 64, 128)).symbol == "sparsecc_bsr_sm90_bf16_b16x64_m128"
+        KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 1), transpose_out=True)
+    assert KernelSpec(Family.BSR_SM90, "bfloat16", tile=(16, 64, 4)).symbol == "sparsecc_bsr_sm90_bf16_b16x64_m4"
+    with pytest.raises(InputError, match="tile"):
+        KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 16))         # the streaming kernel takes 1-4 rows
     with pytest.raises(InputError, match="tile"):
         KernelSpec(Family.BSR_SM90_WGMMA, "float16", tile=(64, 64, 32))    # a warpgroup takes 64 rows of x
     assert (KernelSpec(Family.BSR_SM90_WGMMA, "float16", tile=(128, 32, 256)).symbol

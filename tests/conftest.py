@@ -32,6 +32,20 @@ def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *
     assert error <= TOLERANCE[dtype] * factor, f"relative error {error:.3g} > {TOLERANCE[dtype] * factor:.3g}"
 
 
+def replays_like_eager(call, x: torch.Tensor) -> bool:
+    """``call(x)`` captured in a CUDA graph, x given new values in place, the graph replayed:
+    whether the captured output equals ``call(x)`` run eagerly on the new values and differs
+    from the output on the old ones (the graph read x, not a copy)."""
+    before = call(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(captured, call(x)) and not torch.equal(captured, before)
+
+
 def nonzero_randn(*shape, generator=None, dtype=torch.float32) -> torch.Tensor:
     """Normal samples pushed away from zero, so a kept value is never accidentally 0."""
     x = torch.randn(*shape, generator=generator)

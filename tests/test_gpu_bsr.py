@@ -15,7 +15,7 @@ from sparsecc.bsr_kernel import BsrKernelWeight, dispatch
 from sparsecc.codegen import Family, KernelSpec
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
 
-from conftest import TOLERANCE, block_sparse, rel_error
+from conftest import TOLERANCE, block_sparse, rel_error, replays_like_eager
 from test_bad_input import assert_same_nonfinite, ieee_reference
 from test_gpu_kernels import reference
 
@@ -160,13 +160,7 @@ def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, stream_kernels
     unchecked = on_stream_kernel(w, block, spec, UNCHECKED_NONFINITE)
     checked, skipped = run(packed, bad, bias, "relu"), run(unchecked, bad, bias, "relu")
     assert torch.equal(skipped[1], checked[1]) and skipped[0].isnan().sum() < checked[0].isnan().sum()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(packed, x, None, "gelu_tanh")
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, run(packed, x, None, "gelu_tanh"))
+    assert replays_like_eager(lambda x: run(packed, x, None, "gelu_tanh"), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -240,14 +234,7 @@ def test_graph_replay_matches_eager(dtype):
     w = weight((64, 64), 4, 6, 0.5, dtype, seed=10)
     packed = BsrKernelWeight.from_dense(w, (64, 64))
     x = torch.randn(96, w.shape[1], generator=torch.Generator().manual_seed(11)).to(dtype).cuda()
-    eager = run(packed, x, None, "gelu_tanh")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(packed, x, None, "gelu_tanh")
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, run(packed, x, None, "gelu_tanh")) and not torch.equal(captured, eager)
+    assert replays_like_eager(lambda x: run(packed, x, None, "gelu_tanh"), x)
 
 
 def test_compile_runs_block_sparse_sites_on_the_kernel():

@@ -50,6 +50,9 @@ def main(argv=None) -> dict:
         plot(result, __import__("pathlib").Path(args.plot).with_suffix(".png"))
         return result
     result = environment("e2e")
+    # the models' attention depends on it: some versions build ViT's all-visible mask under
+    # torch.compile (not eagerly), which sends SDPA to its fp32 math path (README)
+    result["transformers"] = __import__("transformers").__version__
     earlier = RESULTS / f"e2e-{result['device'].replace(' ', '_')}-{result['date']}.json"
     if earlier.is_file():        # a run of some models keeps the others' rows of the same day and GPU
         result["rows"] = [r for r in json.loads(earlier.read_text())["rows"] if r["model"] not in args.models]

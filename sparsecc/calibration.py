@@ -9,14 +9,14 @@ measurement can give:
 
 ``p`` blends a roofline's max (large p: compute and memory overlap, one kernel) with a sum
 (p = 1: phases that run one after the other, e.g. unpack then multiply). On the CPU a weight
-called again and again stays in the cores' L2 caches when it fits, and is read much faster
-than one that does not (on a 2-core VM about 4x faster): there the bytes up to
-``cache_bytes`` move at ``cache_bandwidth`` and the rest at ``bandwidth``. Where that
-boundary lies (one core's L2, or a share of the last-level cache) depends on the machine and
-the implementation; the calibration tries each (:func:`cache_boundaries`) and keeps, per
-implementation, the one that fits its probes best. On the GPU every timing reads its weight from memory (copies
-cycled past the L2), so ``cache_bytes`` is 0 there. Also on the CPU, torch's kernels spend on
-the activations more than their bytes' worth: oneDNN reorders x for its 16-bit products (a
+called again and again stays cached when it fits, and is read much faster than one that does
+not (on a 2-core VM about 4x faster): there the bytes up to ``cache_bytes`` move at
+``cache_bandwidth`` and the rest at ``bandwidth``. Where that boundary lies (one core's L2, or
+a share of the last-level cache) depends on the machine and the implementation; the
+calibration tries each (:func:`cache_boundaries`) and keeps, per implementation, the one that
+fits its probes best. On the GPU every timing reads its weight from memory (copies cycled past
+the L2), so ``cache_bytes`` is 0 there. Also on the CPU, torch's kernels spend on the
+activations more than their bytes' worth: oneDNN reorders x for its 16-bit products (a
 1024x256 weight multiplies 256 rows in 92 us, a 256x1024 one in 163), torch's CSR product
 walks x and y per row of the batch (about 1.3 ns per element of either at 1% density,
 whatever N, K or the stored count). The bytes of x and of y therefore cost extra time at

@@ -1,8 +1,8 @@
 """Block-sparse (BSR) weights on sparsecc's tensor-core kernels (templates/bsr_sm90*.cu.j2).
 
 The kernels loop over the stored blocks only: the wgmma kernel one block row of W against a
-tile of x's rows per CTA, the streaming (small-batch) kernel a few weight rows per warp. The packed layout is the portable BSR one with the block rows ordered
-for balance:
+tile of x's rows per CTA, the streaming (small-batch) kernel a few weight rows per warp. The
+packed layout is the portable BSR one with the block rows ordered for balance:
 
 - ``values``: ``[blocks, h, w]``, each stored block row-major, block row after block row and
   by increasing block column within a row (the wgmma kernel loads each block with one TMA
@@ -29,7 +29,7 @@ from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
 #: the kernel for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> family, rows of x
 #: per CTA): the streaming kernel (CUDA cores, memory-bound) for one row, the wgmma kernel
 #: above, 64 rows per CTA up to 128 and 128 rows beyond (measured on an H100: the streaming
-#: kernel 4.5-5.1x cuBLAS at M=1 and 90% block sparsity on the 11008/4096 shapes, 1.0-1.5x
+#: kernel 3.7-5.0x cuBLAS at M=1 and 90% block sparsity on the 11008/4096 shapes, 1.0-1.5x
 #: at 16 rows, where the wgmma kernel reaches 2.9x)
 DEFAULT_KERNEL = {1: (Family.BSR_SM90, 1), 16: (Family.BSR_SM90_WGMMA, 64), 128: (Family.BSR_SM90_WGMMA, 64),
                   2048: (Family.BSR_SM90_WGMMA, 128), 0: (Family.BSR_SM90_WGMMA, 128)}

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .epilogue import Activation, apply_activation
+from .errors import InputError
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")
 
@@ -55,7 +56,7 @@ def _define(schema: str, fake):
         torch.library.register_fake(f"sparsecc::{name}", fake, lib=_LIB)
         return getattr(torch.ops.sparsecc, name).default
     return register
-from .errors import InputError
+
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -198,6 +199,11 @@ def linear_nm(x: Tensor, values: Tensor, indices: Tensor, n: int, m: int, in_fea
 
 # ---------------------------------------------------------------------------- bsr
 
+def _sparse_fake(x, crow, col, values, out_features, in_features, bias, activation, x_transposed, transpose_out):
+    """The output's shape for the BSR and CSR ops (they take the same arguments)."""
+    return x.new_empty(_output_shape(x, x_transposed, out_features, transpose_out))
+
+
 def _torch_has_bsr_kernel(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> bool:
     """Whether ``bsr @ dense`` has a native torch kernel here (MKL on CPU: fp32/fp64 and
     square blocks; cuSPARSE on CUDA: square blocks)."""
@@ -222,8 +228,7 @@ def _bsr_block_products(crow: Tensor, col: Tensor, values: Tensor, out_features:
 
 @_define("linear_bsr(Tensor x, Tensor crow, Tensor col, Tensor values, int out_features, int in_features, "
          "Tensor? bias, str activation, bool x_transposed, bool transpose_out) -> Tensor",
-         lambda x, crow, col, values, out_features, in_features, bias, activation, x_transposed, transpose_out:
-         x.new_empty(_output_shape(x, x_transposed, out_features, transpose_out)))
+         _sparse_fake)
 def linear_bsr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
                in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
                transpose_out: bool) -> Tensor:
@@ -249,8 +254,7 @@ def linear_bsr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_feature
 
 @_define("linear_csr(Tensor x, Tensor crow, Tensor col, Tensor values, int out_features, int in_features, "
          "Tensor? bias, str activation, bool x_transposed, bool transpose_out) -> Tensor",
-         lambda x, crow, col, values, out_features, in_features, bias, activation, x_transposed, transpose_out:
-         x.new_empty(_output_shape(x, x_transposed, out_features, transpose_out)))
+         _sparse_fake)
 def linear_csr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
                in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
                transpose_out: bool) -> Tensor:

@@ -63,6 +63,21 @@ def write(result: dict, *, stem: str | None = None) -> Path:
     return path
 
 
+def bar_chart(result: dict, path, key: str, *, xlabel: str, title: str) -> None:
+    """One horizontal bar per row of ``result`` (its ``impl``), the bar ``row[key]``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(result["rows"]) + 1.5))
+    ax.barh([r["impl"] for r in result["rows"]], [r[key] for r in result["rows"]])
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(f"{title}, {result['device']}, torch {result['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_per_dtype(result: dict, path, draw, *, xlabel: str, title: str) -> None:
     """One log-log panel per dtype of ``result``: ``draw(ax, dtype)`` plots the curves, this
     adds the 1.0 line, the labels and the environment, and saves the figure to ``path``."""

@@ -130,8 +130,9 @@ def plot(result: dict, path: Path) -> None:
     ratios = sorted(r["us_chosen"] / r["us_best"] for r in result["rows"] if r["us_chosen"])
     right.plot(ratios, [i / len(ratios) for i in range(len(ratios))])
     right.axvline(1.10, color="k", linestyle=":")
-    right.set(xscale="log", xlabel="chosen / best measured", ylabel="fraction of points",
+    right.set(xlabel="chosen / best measured", ylabel="fraction of points",
               title=f"{result['device']}: choice vs best ({len(ratios)} points)")
+    right.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2fx"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -19,7 +19,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, write  # noqa: E402
+from common import bar_chart, environment, write  # noqa: E402
 
 import sparsecc  # noqa: E402
 from sparsecc.backend import make_backend  # noqa: E402
@@ -63,22 +63,9 @@ def main() -> dict:
                                "non_static_inputs": counters["inductor"].get("cudagraph_recorded_non_static_inputs", 0)})
         print(impl, f"{us:.0f} us per token", flush=True)
     path = write(result)
-    plot(result, path.with_suffix(".png"))
+    bar_chart(result, path.with_suffix(".png"), "us_eager", xlabel="us per token (lower is faster)",
+              title="Llama-1B decode, CUDA graphs, fp16")
     return result
-
-
-def plot(result: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    rows = result["rows"]
-    ax.barh([r["impl"] for r in rows], [r["us_eager"] for r in rows])
-    ax.set_xlabel("us per token (lower is faster)")
-    ax.set_title(f"Llama-1B decode, CUDA graphs, fp16, {result['device']}, torch {result['torch']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

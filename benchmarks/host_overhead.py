@@ -3,7 +3,10 @@ negligible, so the time is what the host spends to launch: cuBLAS ``F.linear`` +
 sparsecc's 2:4 op (``sparsecc::linear_kernel`` on its C++ launcher, as a compiled graph calls
 it), the op's Python implementation called directly (the fallback where the launcher cannot be
 built), the raw kernel call underneath (ctypes, output preallocated), and the op replayed from
-a captured CUDA graph. Extra key: ``us_host``.
+a captured CUDA graph. For scale: torch's own cost of calling an op from Python
+(``torch.ops.aten.relu.default``, one argument), and both linears called from C++ (a
+TorchScript loop of 100 calls: the dispatcher, the op and the launch, without Python).
+Extra key: ``us_host``.
 
     python benchmarks/host_overhead.py
 """
@@ -16,21 +19,42 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, write  # noqa: E402
+from common import bar_chart, environment, write  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES  # noqa: E402
 
 
-def per_call_us(fn, calls=3000) -> float:
+def per_call_us(fn, calls=3000, inner=1) -> float:
+    """Host microseconds per call, the best of three loops (``fn`` makes ``inner`` calls)."""
     for _ in range(100):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls / inner * 1e6)
+    return best
+
+
+@torch.jit.script
+def _cublas_from_cpp(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, calls: int) -> torch.Tensor:
+    y = x
     for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+        y = torch.relu(torch.nn.functional.linear(x, w, bias))
+    return y
+
+
+@torch.jit.script
+def _sparsecc_from_cpp(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, n: int, k: int,
+                       bias: torch.Tensor, kernels: str, calls: int) -> torch.Tensor:
+    y = x
+    for _ in range(calls):
+        y = torch.ops.sparsecc.linear_kernel(x, values, metadata, n, k, bias, "relu", False, False, kernels)
+    return y
 
 
 def main() -> dict:
@@ -64,16 +88,28 @@ def main() -> dict:
     with torch.cuda.graph(graph):
         for _ in range(10):
             op()
-    impls = {"cublas": lambda: torch.relu(F.linear(x, w, bias)), "sparsecc": op,
-             "sparsecc-python-impl": python_impl,
-             "sparsecc-raw-kernel": raw, "sparsecc-graph-replay": None}
-    for impl, fn in impls.items():
-        us = per_call_us(graph.replay, calls=300) / 10 if fn is None else per_call_us(fn)
-        result["rows"].append({"impl": impl, "format": "dense" if impl == "cublas" else "2:4", "M": 1, "N": n, "K": k,
+    from_cpp = 100
+    expected = torch.relu(F.linear(x.float(), w.float(), bias.float()))
+    for name, out in (("sparsecc", op()), ("sparsecc-from-c++", _sparsecc_from_cpp(
+            x, packed.values, packed.metadata, n, k, bias, packed.kernels, 1))):
+        torch.testing.assert_close(out.float(), expected, rtol=3e-3, atol=3e-3, msg=f"{name} differs from fp32")
+    impls = {"cublas": (lambda: torch.relu(F.linear(x, w, bias)), 1),
+             "torch-op-from-python": (lambda: torch.ops.aten.relu.default(x), 1),
+             "sparsecc": (op, 1), "sparsecc-python-impl": (python_impl, 1), "sparsecc-raw-kernel": (raw, 1),
+             "cublas-from-c++": (lambda: _cublas_from_cpp(x, w, bias, from_cpp), from_cpp),
+             "sparsecc-from-c++": (lambda: _sparsecc_from_cpp(x, packed.values, packed.metadata, n, k, bias,
+                                                              packed.kernels, from_cpp), from_cpp),
+             "sparsecc-graph-replay": (graph.replay, 10)}
+    for impl, (fn, inner) in impls.items():
+        us = per_call_us(fn, calls=max(300, 3000 // inner), inner=inner)
+        result["rows"].append({"impl": impl, "format": "2:4" if impl.startswith("sparsecc") else "dense", "M": 1, "N": n, "K": k,
                                "dtype": "float16", "epilogue": "bias+relu", "density": 0.5, "block": None,
                                "us": None, "us_eager": None, "rel_err": None, "us_host": round(us, 2)})
         print(f"{impl:24s} {us:7.2f} us per call")
-    print("wrote", write(result))
+    path = write(result)
+    bar_chart(result, path.with_suffix(".png"), "us_host", xlabel="host us per call (lower is faster)",
+              title="linear + bias + ReLU, M=1, 256x256, fp16")
+    print("wrote", path)
     return result
 
 

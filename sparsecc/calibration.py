@@ -44,8 +44,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+
+from .errors import KernelBuildError
 
 log = logging.getLogger("sparsecc")
 
@@ -658,13 +661,39 @@ def cache_boundaries(caches: dict[int, float]) -> list[float]:
     return sorted(set(found))
 
 
+def probe_kernels(probes: list[Probe]) -> list:
+    """sparsecc's kernels the probes run on, listed as ``sparsecc generate`` lists a plan's
+    (every CSR tile capacity a probe's density may need)."""
+    from .gpu import plan_kernels
+    return plan_kernels([SimpleNamespace(choice=p.format, dtype=p.dtype, shape=(p.n, p.k), density=p.density, m=p.m)
+                         for p in probes])
+
+
+def prebuild_kernels(probes: list[Probe], device: torch.device, *, progress: bool = True) -> None:
+    """Load the probes' kernels before any is timed, compiling the missing ones in one parallel
+    build: on a machine with an empty kernel cache, probe after probe would compile them one
+    dispatch table at a time (an H100 machine: 318 s that way). Nothing to do where the kernels
+    cannot run; a kernel that fails to build is reported by the probe that needs it."""
+    from . import runtime
+    from .gpu import kernels_unavailable
+    if kernels_unavailable(device) is not None:
+        return
+    try:
+        runtime.ensure(probe_kernels(probes), progress=progress)
+    except KernelBuildError as error:
+        log.warning("calibration: building the probes' kernels failed (%s); each probe builds its own",
+                    str(error).splitlines()[0])
+
+
 def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:
     """Measure this machine (:func:`calibration_workloads`), fit, cache and return the result."""
     device = torch.device(device)
     key, name = machine_key(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
     reference = [] if device.type == "cpu" else None
-    rows = measure(calibration_workloads(device), device, progress=progress, reference=reference)
+    probes = calibration_workloads(device)
+    prebuild_kernels(probes, device, progress=progress)
+    rows = measure(probes, device, progress=progress, reference=reference)
     if device.type == "cpu":
         fits = fit_measurements(rows, sms, cache_bytes=cache_boundaries(cpu_caches()), activations=True)
     else:

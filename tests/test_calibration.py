@@ -243,3 +243,35 @@ def test_calibrating_this_cpu(tmp_path, monkeypatch):
     for fit in result.fits.values():
         assert fit.overhead_us > 0 and fit.rate > 0 and fit.bandwidth > 0 and 1 <= fit.p <= 8
         assert math.isfinite(fit.median_error)
+
+
+def test_the_gpu_probes_kernels_are_listed_for_one_parallel_build():
+    """Every kernel a GPU probe packs its weight for is in ``probe_kernels``, so a fresh machine
+    compiles them in one build before timing."""
+    from sparsecc import bsr_kernel, csr_kernel, gpu
+    from sparsecc.codegen import Family, KernelSpec
+    from sparsecc.formats import FormatSpec
+    probes = calib.calibration_workloads(torch.device("cuda"))
+    listed = set(calib.probe_kernels(probes))
+    needed = set()
+    for p in probes:
+        if p.dtype == "float32":
+            continue
+        dtype, spec = getattr(torch, p.dtype), FormatSpec.parse(p.format)
+        if p.format == "2:4":
+            needed |= ({launch.spec for _, launch in gpu.dispatch(Family.GEMV_SM90_SPARSE24, dtype, p.n, p.k)}
+                       if p.m <= gpu.GEMV_MAX_M else
+                       {KernelSpec(Family.SM90_COMPRESS24, p.dtype)}
+                       | {launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, dtype, p.n, p.k)})
+        elif spec.kind == "bsr":
+            needed |= {launch.spec for _, launch in bsr_kernel.dispatch(dtype, spec.block)}
+        elif spec.kind == "csr":
+            capacity = csr_kernel.expected_capacity(p.density)
+            needed |= {launch.spec for _, launch in csr_kernel.dispatch(dtype, capacity)}
+    assert needed and needed <= listed
+
+
+def test_no_kernels_are_built_for_a_cpu_calibration(monkeypatch):
+    from sparsecc import runtime
+    monkeypatch.setattr(runtime, "ensure", lambda *a, **k: pytest.fail("a CPU calibration built kernels"))
+    calib.prebuild_kernels(calib.calibration_workloads(torch.device("cpu")), torch.device("cpu"), progress=False)

@@ -7,6 +7,7 @@ A kernel is registered under its symbol, which is what the custom ops carry in t
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -135,15 +136,22 @@ def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
                                    f"{[str(p) for p in _DIRECTORIES]} ({names}) and cannot be compiled "
                                    f"here: {error}") from None
     if to_build:
-        for spec, path in build(to_build, cache=cache, progress=progress).items():
+        with ThreadPoolExecutor(max_workers=1) as side:
+            if torch.cuda.is_available():       # the C++ launcher (built once per torch) compiles alongside
+                side.submit(_install_cuda_implementation)
+            built = build(to_build, cache=cache, progress=progress)
+        for spec, path in built.items():
             _REGISTRY[spec.symbol] = Kernel(spec, path)
     gemms = [_REGISTRY[s.symbol] for s in missing if s.family is not Family.SM90_COMPRESS24]
-    if gemms and torch.cuda.is_available():
-        from .gpu import cuda_implementation
-        if cuda_implementation() == "c++":
-            for kernel in gemms:
-                launcher.add_kernel(kernel.spec.symbol, kernel.library)
+    if gemms and torch.cuda.is_available() and _install_cuda_implementation() == "c++":
+        for kernel in gemms:
+            launcher.add_kernel(kernel.spec.symbol, kernel.library)
     return {spec: _REGISTRY[spec.symbol] for spec in specs}
+
+
+def _install_cuda_implementation() -> str:
+    from .gpu import cuda_implementation
+    return cuda_implementation()
 
 
 def get(symbol: str) -> Kernel:

@@ -29,6 +29,18 @@ def test_second_build_comes_from_the_cache(fake_nvcc, tmp_path):
     assert oct((tmp_path / "cache").stat().st_mode & 0o777) == "0o700"
 
 
+def test_cutlass_gemms_start_compiling_first(fake_nvcc, monkeypatch):
+    """One job: the order of compiles is the order of submission, and the GEMMs lead it."""
+    started = []
+    real = build_module._build_one
+    monkeypatch.setattr(build_module, "_build_one", lambda symbol, *rest: started.append(symbol) or real(symbol, *rest))
+    own = [KernelSpec(Family.BSR_SM90, "float16", tile=(64, 64, 1)), KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, 256))]
+    gemms = [SPEC, KernelSpec(Family.SM90_SPARSE24, "float16")]
+    paths = build([own[0], gemms[0], own[1], gemms[1]], jobs=1, progress=False)
+    assert started == [s.symbol for s in gemms + own]
+    assert list(paths) == [own[0], gemms[0], own[1], gemms[1]] and all(p.is_file() for p in paths.values())
+
+
 def test_key_covers_source_compiler_and_flags(fake_nvcc):
     tools = toolchain()
     key = build_module.cache_key(SPEC, "source", tools)

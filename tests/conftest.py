@@ -116,3 +116,37 @@ def fake_nvcc(tmp_path, monkeypatch):
 
 def compiles(log) -> int:
     return len(log.read_text().splitlines())
+
+
+def kernels_of_24_sites(shapes, dtypes) -> list:
+    """The kernels 2:4 sites of these [N, K] shapes run: the compressor, the GEMMs of each M
+    bucket and the small-batch kernels (for the GPU test modules' ``KERNELS``)."""
+    from sparsecc import gpu
+    from sparsecc.codegen import Family, KernelSpec
+    specs = []
+    for dtype in dtypes:
+        specs.append(KernelSpec(Family.SM90_COMPRESS24, str(dtype).replace("torch.", "")))
+        for n, k in shapes:
+            for family in (Family.SM90_SPARSE24, Family.GEMV_SM90_SPARSE24):
+                specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
+    return specs
+
+
+def pytest_collection_finish(session):
+    """Compile the kernels every selected GPU test module declares (its ``KERNELS``) in one
+    parallel build before the first test runs: built test by test, a few at a time, they
+    take a fresh GPU machine many minutes. A kernel a module does not declare is still built
+    by the test that needs it; a failed build is reported by the tests that need the kernel."""
+    modules = {item.module for item in session.items if item.get_closest_marker("gpu") is not None}
+    specs = list(dict.fromkeys(spec for module in sorted(modules, key=lambda m: m.__name__)
+                               for spec in getattr(module, "KERNELS", ())))
+    if not specs or not torch.cuda.is_available():
+        return
+    from sparsecc import gpu, runtime
+    from sparsecc.errors import KernelBuildError
+    if gpu.kernels_unavailable(torch.device("cuda")) is not None:
+        return
+    try:
+        runtime.ensure(specs)
+    except KernelBuildError as error:
+        print(f"building the GPU tests' kernels failed: {str(error).splitlines()[0]}")

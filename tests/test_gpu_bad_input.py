@@ -10,7 +10,7 @@ import torch
 from sparsecc import gpu, runtime
 from sparsecc.codegen import Family
 
-from conftest import assert_rel_close, n_m
+from conftest import assert_rel_close, kernels_of_24_sites, n_m
 from test_bad_input import assert_same_nonfinite, ieee_reference
 from test_fuzz import make_input
 from test_ops import reference
@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 DTYPES = [torch.float16, torch.bfloat16]
 N, K = 64, 128
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = kernels_of_24_sites([(N, K), (136, 544)], DTYPES)
+KERNELS += [launch.spec for dtype in DTYPES for _, launch in gpu.dispatch(Family.SM90_DENSE, dtype, N, K)]
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["float16", "bfloat16"])

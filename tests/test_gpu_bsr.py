@@ -26,6 +26,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 DTYPES = [torch.float16, torch.bfloat16]
 BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (16, 64), (64, 32)]
 ROWS = [1, 7, 33, 1000]
+STREAM_TILES = (1, 4)
+#: the wgmma kernel's tilings the dispatch does not use
+WGMMA_TILES = [((64, 64), 256, torch.float16), ((128, 128), 256, torch.bfloat16), ((16, 16), 64, torch.bfloat16),
+               ((32, 128), 128, torch.float16), ((128, 16), 64, torch.float16)]
+
+
+def dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = [launch.spec for dtype in DTYPES for block in BLOCKS for _, launch in dispatch(dtype, block)]
+KERNELS += [KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
+            for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES]
+KERNELS += [KernelSpec(Family.BSR_SM90_WGMMA, dtype_name(dtype), tile=(*block, tile_m)) for block, tile_m, dtype in WGMMA_TILES]
 
 
 def weight(block, n_blocks, k_blocks, density, dtype, seed=0, empty_rows=(1,)):
@@ -72,15 +87,13 @@ def test_every_block_and_batch_size_matches_fp64(block, dtype):
         assert torch.equal(run(packed, x, bias, "relu"), y)         # the op dispatches the same launch
 
 
-@pytest.mark.parametrize("block,tile_m,dtype", [
-    ((64, 64), 256, torch.float16), ((128, 128), 256, torch.bfloat16), ((16, 16), 64, torch.bfloat16),
-    ((32, 128), 128, torch.float16), ((128, 16), 64, torch.float16)], ids=str)
+@pytest.mark.parametrize("block,tile_m,dtype", WGMMA_TILES, ids=str)
 def test_wgmma_tiles_the_dispatch_does_not_use(block, tile_m, dtype):
     """The wgmma kernel's other tilings (256 rows of x: two warpgroups of 128; 64 rows: one;
     blocks wider than a 64-column TMA box), each on its own over batch sizes that leave
     partial tiles."""
     w = weight(block, 5, 7, 0.4, dtype, seed=13)
-    spec = KernelSpec(Family.BSR_SM90_WGMMA, str(dtype).replace("torch.", ""), tile=(*block, tile_m))
+    spec = KernelSpec(Family.BSR_SM90_WGMMA, dtype_name(dtype), tile=(*block, tile_m))
     runtime.ensure([spec], progress=False)
     packed = BsrKernelWeight.pack(w, block)
     packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec))])
@@ -92,13 +105,10 @@ def test_wgmma_tiles_the_dispatch_does_not_use(block, tile_m, dtype):
         assert error <= TOLERANCE[dtype], (m, error)
 
 
-STREAM_TILES = (1, 4)
-
-
 @pytest.fixture(scope="module")
 def stream_kernels():
     """The small-batch kernel for every block, dtype and tile of rows of x below, built at once."""
-    specs = {(block, dtype, tile_m): KernelSpec(Family.BSR_SM90, str(dtype).replace("torch.", ""), tile=(*block, tile_m))
+    specs = {(block, dtype, tile_m): KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
              for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES}
     runtime.ensure(list(specs.values()), progress=False)
     return specs

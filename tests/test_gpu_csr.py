@@ -10,7 +10,7 @@ import torch.nn as nn
 import sparsecc
 from sparsecc import gpu, runtime
 from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_M, Family, KernelSpec
-from sparsecc.csr_kernel import CsrKernelWeight
+from sparsecc.csr_kernel import CsrKernelWeight, dispatch
 from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
@@ -22,6 +22,8 @@ WHY_NOT = gpu.kernels_unavailable(torch.device("cuda")) if torch.cuda.is_availab
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY_NOT is not None, reason=f"needs a Hopper GPU and nvcc: {WHY_NOT}")]
 
 DTYPES = [torch.float16, torch.bfloat16]
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = [launch.spec for dtype in DTYPES for capacity in CSR_CAPACITIES for _, launch in dispatch(dtype, capacity)]
 
 
 def weight(n, k, density, dtype, seed=0, empty_rows=(3,)):

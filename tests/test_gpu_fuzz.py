@@ -8,6 +8,7 @@ import torch
 
 from sparsecc import gpu
 
+from conftest import kernels_of_24_sites
 from test_fuzz import assert_covered, cases, fuzz
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -24,6 +25,8 @@ GPU_EXAMPLES = int(os.environ.get("SPARSECC_GPU_FUZZ_EXAMPLES", "300"))
 SHAPES = [(8, 16), (24, 48), (64, 96), (40, 128), (136, 80)]
 #: rows of x: small ones often, and each side of the dispatch buckets' bounds (1, 16, 128, 2048)
 M_VALUES = (0, 1, 2, 3, 5, 8, 15, 16, 17, 33, 127, 128, 129, 700, 2048, 2049)
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = kernels_of_24_sites(SHAPES, GPU_DTYPES)
 
 
 def pack_cutlass(weight, fmt):

@@ -10,10 +10,13 @@ import sparsecc
 from sparsecc import gpu
 from sparsecc.epilogue import ACTIVATION_CODES
 
-from conftest import TOLERANCE, rel_error
+from conftest import TOLERANCE, kernels_of_24_sites, rel_error
 from test_gpu_kernels import pytestmark, reference, run_poisoned, sparse_weight  # noqa: F401  (the same skip)
 
 ODD = (264, 1040)       # N, K: not multiples of any block's rows
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = [launch.spec for dtype in (torch.float16, torch.bfloat16) for launch in gpu.gemv_candidates(dtype)]
+KERNELS += kernels_of_24_sites([(4096, 4096)], [torch.float16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -10,7 +10,7 @@ from sparsecc import gpu, runtime
 from sparsecc.codegen import Family, KernelSpec
 from sparsecc.epilogue import ACTIVATION_CODES, apply_activation
 
-from conftest import TOLERANCE, n_m, rel_error
+from conftest import TOLERANCE, kernels_of_24_sites, n_m, rel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or gpu.kernels_unavailable(torch.device("cuda")) is not None,
@@ -56,6 +56,15 @@ def launches_to_test(family, dtype):
     return list(dict.fromkeys(launch for n, k in SHAPES for _, launch in gpu.dispatch(family, dtype, n, k)))
 
 
+LAYOUTS = [dict(x_transposed=True), dict(transpose_out=True)]
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = kernels_of_24_sites(SHAPES + [(4096, 1024)], DTYPES)
+KERNELS += [launch.spec for family in (Family.SM90_SPARSE24, Family.SM90_DENSE) for dtype in DTYPES
+            for launch in launches_to_test(family, dtype)]
+KERNELS += [KernelSpec(family, "float16", **layout) for family in (Family.SM90_SPARSE24, Family.SM90_DENSE)
+            for layout in LAYOUTS]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_compression_round_trips_exactly(dtype, shape):
@@ -91,7 +100,7 @@ def test_every_kernel_matches_the_reference(dtype, family):
 
 
 @pytest.mark.parametrize("family", [Family.SM90_SPARSE24, Family.SM90_DENSE])
-@pytest.mark.parametrize("layout", [dict(x_transposed=True), dict(transpose_out=True)])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_other_operand_layouts(family, layout):
     dtype = torch.float16
     launch = gpu.Launch(KernelSpec(family, "float16", **layout))

@@ -15,8 +15,12 @@ import sparsecc
 from sparsecc import gpu
 from sparsecc.backend import make_backend
 
-from conftest import n_m, rel_error
+from conftest import kernels_of_24_sites, n_m, rel_error
 from test_gpu_kernels import pytestmark, reference, sparse_weight  # noqa: F401  (the same skip)
+
+
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = kernels_of_24_sites([(1024, 512), (512, 1024), (256, 512), (1024, 4096)], [torch.float16, torch.bfloat16])
 
 
 def _model(dtype=torch.float16):

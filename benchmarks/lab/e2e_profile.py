@@ -1,0 +1,109 @@
+"""Where an end-to-end model spends its GPU time, Inductor dense against the sparsecc backend:
+the kernels of a few calls (torch.profiler), summed per call into categories (sparsecc's 2:4
+GEMM, its NaN/Inf pass, its small-batch, BSR and CSR kernels, other GEMMs, attention,
+Inductor's fused Triton kernels, copies) and the largest kernels by name. For the models of
+benchmarks/e2e.py whose sparsecc time is behind what its kernels promise (BERT-large and
+Llama-1B prefill at 2:4 ran at 0.91x and 0.75x of Inductor without CUDA graphs): it tells
+lost fusions, extra copies and the NaN/Inf pass apart.
+
+    OUT=/some/dir python benchmarks/lab/e2e_profile.py [--models bert-large llama-1b-prefill] [--calls 5]
+
+Writes e2e_profile.json to $OUT (default /tmp) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import environment  # noqa: E402
+from e2e import CASES  # noqa: E402
+
+import sparsecc  # noqa: E402
+from sparsecc.models import load  # noqa: E402
+
+#: the first pattern a kernel's name matches names its category
+CATEGORIES = [
+    ("sparsecc NaN/Inf pass", r"propagate_nonfinite"),
+    ("sparsecc 2:4 GEMM", r"device_kernel.*[Ss]parse"),
+    ("sparsecc small-batch 2:4", r"gemv_kernel"),
+    ("sparsecc BSR", r"bsr_kernel"),
+    ("sparsecc CSR", r"csr_kernel|csr_reduce"),
+    ("dense GEMM (cuBLAS, CUTLASS)", r"nvjet|gemm|xmma|cutlass|cublas|device_kernel"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn|softmax"),
+    ("Inductor's fused kernels", r"^triton"),
+    ("copies", r"copy|Memcpy|Memset|elementwise_kernel"),
+    ("other", r""),
+]
+
+
+def category(name: str) -> str:
+    return next(label for label, pattern in CATEGORIES if re.search(pattern, name))
+
+
+def profile(fn, inputs, calls: int) -> dict:
+    """GPU microseconds per call: the total, per category, and the 15 largest kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    for _ in range(3):
+        fn(inputs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(inputs)
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:                      # a kernel, a copy or a memset
+            kernels[event.name][0] += event.time_range.elapsed_us() / calls
+            kernels[event.name][1] += 1 / calls
+    by_category: dict[str, float] = defaultdict(float)
+    for name, (us, _) in kernels.items():
+        by_category[category(name)] += us
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:15]
+    return {"us": round(sum(us for us, _ in kernels.values()), 1),
+            "categories": {k: round(v, 1) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": name[:160], "us": round(us, 1), "launches": round(n, 1)} for name, (us, n) in top]}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["bert-large", "llama-1b-prefill"])
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args(argv)
+    result = environment("e2e_profile")
+    for case in args.models:
+        name, batch, seq, pattern = CASES[case]
+        torch.manual_seed(0)
+        model, inputs = load(name, batch=batch, seq=max(seq, 1))
+        model = model.half().cuda().eval()
+        inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
+        sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
+        with torch.no_grad():
+            for impl, make in {"inductor": lambda: torch.compile(model),
+                               "sparsecc": lambda: torch.compile(model, backend="sparsecc")}.items():
+                torch._dynamo.reset()
+                row = {"model": case, "impl": impl, **profile(make(), inputs, args.calls)}
+                result["rows"].append(row)
+                print(f"\n{case} {impl}: {row['us']:.0f} us of GPU time per call")
+                for label, us in row["categories"].items():
+                    print(f"  {label:32s} {us:9.1f} us")
+                for entry in row["top"][:8]:
+                    print(f"    {entry['us']:9.1f} us  x{entry['launches']:<5} {entry['kernel'][:100]}")
+        model = None
+        torch.cuda.empty_cache()
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "e2e_profile.json")
+    with open(path, "w") as file:
+        json.dump(result, file, indent=1)
+    print("wrote", path)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,9 @@ the kernels of a few calls (torch.profiler), summed per call into categories (sp
 GEMM, its NaN/Inf pass, its small-batch, BSR and CSR kernels, other GEMMs, attention,
 Inductor's fused Triton kernels, copies) and the largest kernels by name. For the models of
 benchmarks/e2e.py whose sparsecc time is behind what its kernels promise (BERT-large and
-Llama-1B prefill at 2:4 ran at 0.91x and 0.75x of Inductor without CUDA graphs): it tells
-lost fusions, extra copies and the NaN/Inf pass apart.
+Llama-1B prefill at 2:4 ran at 0.91x and 0.75x of Inductor without CUDA graphs; decode, bound
+by the host, at 0.37x): it tells lost fusions, extra copies, the NaN/Inf pass and host time
+per op apart.
 
     OUT=/some/dir python benchmarks/lab/e2e_profile.py [--models bert-large llama-1b-prefill] [--calls 5]
 
@@ -48,33 +49,47 @@ def category(name: str) -> str:
 
 
 def profile(fn, inputs, calls: int) -> dict:
-    """GPU microseconds per call: the total, per category, and the 15 largest kernels."""
+    """Per call: wall time (host and GPU together), GPU time in total, per category and for the
+    15 largest kernels, kernel launches, and the host's self time of the 10 costliest ops."""
+    import time
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     for _ in range(3):
         fn(inputs)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(inputs)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) / calls * 1e6
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn(inputs)
         torch.cuda.synchronize()
     kernels = defaultdict(lambda: [0.0, 0])
+    host = defaultdict(float)
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:                      # a kernel, a copy or a memset
             kernels[event.name][0] += event.time_range.elapsed_us() / calls
             kernels[event.name][1] += 1 / calls
+        else:
+            host[event.name] += event.self_cpu_time_total / calls
     by_category: dict[str, float] = defaultdict(float)
     for name, (us, _) in kernels.items():
         by_category[category(name)] += us
     top = sorted(kernels.items(), key=lambda item: -item[1][0])[:15]
-    return {"us": round(sum(us for us, _ in kernels.values()), 1),
+    return {"us_wall": round(wall_us, 1), "us": round(sum(us for us, _ in kernels.values()), 1),
+            "launches": round(sum(n for _, n in kernels.values()), 1),
             "categories": {k: round(v, 1) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "top": [{"kernel": name[:160], "us": round(us, 1), "launches": round(n, 1)} for name, (us, n) in top]}
+            "top": [{"kernel": name[:160], "us": round(us, 1), "launches": round(n, 1)} for name, (us, n) in top],
+            "host_top": [{"op": name[:120], "self_us": round(us, 1)}
+                         for name, us in sorted(host.items(), key=lambda item: -item[1])[:10]]}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["bert-large", "llama-1b-prefill"])
+    parser.add_argument("--models", nargs="*", default=["bert-large", "llama-1b-prefill", "llama-1b-decode"])
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args(argv)
     result = environment("e2e_profile")
@@ -91,11 +106,14 @@ def main(argv=None) -> dict:
                 torch._dynamo.reset()
                 row = {"model": case, "impl": impl, **profile(make(), inputs, args.calls)}
                 result["rows"].append(row)
-                print(f"\n{case} {impl}: {row['us']:.0f} us of GPU time per call")
+                print(f"\n{case} {impl}: {row['us_wall']:.0f} us per call, {row['us']:.0f} us of it on the GPU "
+                      f"in {row['launches']:.0f} launches")
                 for label, us in row["categories"].items():
                     print(f"  {label:32s} {us:9.1f} us")
                 for entry in row["top"][:8]:
                     print(f"    {entry['us']:9.1f} us  x{entry['launches']:<5} {entry['kernel'][:100]}")
+                for entry in row["host_top"][:6]:
+                    print(f"    host {entry['self_us']:9.1f} us  {entry['op'][:100]}")
         model = None
         torch.cuda.empty_cache()
     path = os.path.join(os.environ.get("OUT", "/tmp"), "e2e_profile.json")

@@ -60,6 +60,22 @@ def test_inductor_takes_the_rest_of_the_graph():
     assert list(COMPILED[-1].plan.choices().values()) == ["2:4", "2:4"]
 
 
+def test_inductor_can_write_its_wrapper_in_cpp():
+    """cpp_wrapper=True: the generated code calls sparsecc's ops from C++ (through the
+    dispatcher), with the same results."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 16)).eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), cpp_wrapper=True))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+        assert_rel_close(compiled(2 * x), model(2 * x), torch.float32)
+    graph = COMPILED[-1]
+    assert list(graph.plan.choices().values()) == ["2:4", "2:4"]
+    assert 'findSchemaOrThrow("sparsecc::linear_nm"' in getattr(graph._fn, "source_code", "")
+
+
 def test_changed_weights_are_never_used_stale():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)).eval()

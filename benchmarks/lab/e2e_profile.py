@@ -7,7 +7,7 @@ Llama-1B prefill at 2:4 ran at 0.91x and 0.75x of Inductor without CUDA graphs; 
 by the host, at 0.37x): it tells lost fusions, extra copies, the NaN/Inf pass and host time
 per op apart.
 
-    OUT=/some/dir python benchmarks/lab/e2e_profile.py [--models bert-large llama-1b-prefill] [--calls 5]
+    OUT=/some/dir python benchmarks/lab/e2e_profile.py [--models bert-large llama-1b-prefill] [--calls 5] [--cpp-wrapper]
 
 Writes e2e_profile.json to $OUT (default /tmp) and prints the table.
 """
@@ -27,6 +27,7 @@ from common import environment  # noqa: E402
 from e2e import CASES  # noqa: E402
 
 import sparsecc  # noqa: E402
+from sparsecc.backend import make_backend  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 #: the first pattern a kernel's name matches names its category
@@ -91,6 +92,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["bert-large", "llama-1b-prefill", "llama-1b-decode"])
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--cpp-wrapper", action="store_true", help="also both with Inductor's C++ wrapper code")
     args = parser.parse_args(argv)
     result = environment("e2e_profile")
     for case in args.models:
@@ -101,8 +103,12 @@ def main(argv=None) -> dict:
         inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
         sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
         with torch.no_grad():
-            for impl, make in {"inductor": lambda: torch.compile(model),
-                               "sparsecc": lambda: torch.compile(model, backend="sparsecc")}.items():
+            impls = {"inductor": lambda: torch.compile(model),
+                     "sparsecc": lambda: torch.compile(model, backend="sparsecc")}
+            if args.cpp_wrapper:       # the wrapper code in C++: ops called without Python
+                impls["inductor-cpp-wrapper"] = lambda: torch.compile(model, options={"cpp_wrapper": True})
+                impls["sparsecc-cpp-wrapper"] = lambda: torch.compile(model, backend=make_backend(cpp_wrapper=True))
+            for impl, make in impls.items():
                 torch._dynamo.reset()
                 row = {"model": case, "impl": impl, **profile(make(), inputs, args.calls)}
                 result["rows"].append(row)

@@ -227,3 +227,54 @@ def test_unchecked_sites_skip_the_pass(site, monkeypatch):
     got = run(packed, x, bias, "relu")
     stored = w[:, 21] != 0
     assert got[1][stored].isnan().all() and got[1][~stored].isfinite().all() and (~stored).any()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_flagged_sites_propagate_like_dense(monkeypatch, rows, transpose_out):
+    """SPARSECC_NONFINITE=flagged: with finite x the results are those of the default mode; one
+    NaN, +Inf or -Inf per row raises the GEMM's flag and the pass then makes y match dense
+    exactly; the next call with finite x is untouched (the flag is cleared per call), in a
+    CUDA graph too. A weight with an all-zero column keeps the full pass, exact as well."""
+    from sparsecc.epilogue import FLAGGED_NONFINITE
+    n, k = 136, 544
+    gen = torch.Generator().manual_seed(rows + 1000 * transpose_out)
+    for dtype in DTYPES:
+        w = (n_m(n, k, 2, 4, gen) / k ** 0.5).to(dtype).cuda()
+        default = gpu.CutlassSparse24Weight.from_dense(w)
+        monkeypatch.setenv("SPARSECC_NONFINITE", "flagged")
+        packed = gpu.CutlassSparse24Weight.from_dense(w)
+        assert packed.kernels.endswith(f":{FLAGGED_NONFINITE}")
+        x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+        bias = torch.randn(n, generator=gen).to(dtype).cuda()
+        finite = run(packed, x, bias, "relu", transpose_out=transpose_out)
+        assert torch.equal(finite, run(default, x, bias, "relu", transpose_out=transpose_out))
+        bad = x.clone()
+        columns = torch.randint(0, k, (rows,), generator=gen)
+        kinds = torch.tensor([float("nan"), float("inf"), -float("inf")])[torch.arange(rows) % 3]
+        bad[torch.arange(rows), columns.cuda()] = kinds.to(dtype).cuda()
+        ref = ieee_reference(bad, w, bias, "relu")
+        got = run(packed, bad, bias, "relu", transpose_out=transpose_out)
+        assert_same_nonfinite(got.transpose(-1, -2) if transpose_out else got, ref, dtype)
+        assert torch.equal(run(packed, x, bias, "relu", transpose_out=transpose_out), finite)
+        call = lambda inputs: run(packed, inputs, bias, "relu", transpose_out=transpose_out)  # noqa: E731
+        graph_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call(graph_x)
+        graph_x.copy_(bad)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_nonfinite(captured.transpose(-1, -2) if transpose_out else captured, ref, dtype)
+        graph_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, finite)
+        w[:, 9] = 0                                          # a column no row stores
+        full = gpu.CutlassSparse24Weight.from_dense(w)
+        assert not full.kernels.endswith(f":{FLAGGED_NONFINITE}")
+        bad = x.clone()
+        bad[:, 9] = float("nan")
+        got = run(full, bad, bias, "relu", transpose_out=transpose_out)
+        assert (got.isnan()).all()
+        monkeypatch.delenv("SPARSECC_NONFINITE")

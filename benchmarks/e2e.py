@@ -40,6 +40,17 @@ CASES = {
 }
 
 
+def pruned_model(case: str):
+    """The model of ``case`` in fp16 on the GPU, pruned as :data:`CASES` says (embeddings and
+    the LM head left dense), its inputs, and the pruning report."""
+    name, batch, seq, pattern = CASES[case]
+    torch.manual_seed(0)
+    model, inputs = load(name, batch=batch, seq=max(seq, 1))
+    model = model.half().cuda().eval()
+    inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
+    return model, inputs, sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(CASES))
@@ -58,12 +69,8 @@ def main(argv=None) -> dict:
         result["rows"] = [r for r in json.loads(earlier.read_text())["rows"] if r["model"] not in args.models]
     path = None
     for case in args.models:
-        name, batch, seq, pattern = CASES[case]
-        torch.manual_seed(0)
-        model, inputs = load(name, batch=batch, seq=max(seq, 1))
-        model = model.half().cuda().eval()
-        inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
-        report = sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
+        _, batch, seq, pattern = CASES[case]
+        model, inputs, report = pruned_model(case)
         with torch.no_grad():
             reference = model(inputs)[0]
             impls = {"eager": lambda: model, "inductor": lambda: torch.compile(model),

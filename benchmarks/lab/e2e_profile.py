@@ -24,11 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import environment  # noqa: E402
-from e2e import CASES  # noqa: E402
+from e2e import pruned_model  # noqa: E402
 
-import sparsecc  # noqa: E402
 from sparsecc.backend import make_backend  # noqa: E402
-from sparsecc.models import load  # noqa: E402
 
 #: the first pattern a kernel's name matches names its category
 CATEGORIES = [
@@ -96,12 +94,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     result = environment("e2e_profile")
     for case in args.models:
-        name, batch, seq, pattern = CASES[case]
-        torch.manual_seed(0)
-        model, inputs = load(name, batch=batch, seq=max(seq, 1))
-        model = model.half().cuda().eval()
-        inputs = inputs.cuda().half() if inputs.is_floating_point() else inputs.cuda()
-        sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
+        model, inputs, _ = pruned_model(case)
         with torch.no_grad():
             impls = {"inductor": lambda: torch.compile(model),
                      "sparsecc": lambda: torch.compile(model, backend="sparsecc")}

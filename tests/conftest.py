@@ -137,7 +137,8 @@ def pytest_collection_finish(session):
     parallel build before the first test runs: built test by test, a few at a time, they
     take a fresh GPU machine many minutes. A kernel a module does not declare is still built
     by the test that needs it; a failed build is reported by the tests that need the kernel."""
-    modules = {item.module for item in session.items if item.get_closest_marker("gpu") is not None}
+    modules = {item.module for item in session.items
+               if item.get_closest_marker("gpu") is not None and getattr(item, "module", None) is not None}
     specs = list(dict.fromkeys(spec for module in sorted(modules, key=lambda m: m.__name__)
                                for spec in getattr(module, "KERNELS", ())))
     if not specs or not torch.cuda.is_available():

@@ -457,10 +457,10 @@ def fit_measurements(measurements: list[dict], sms: int, *, cache_bytes: float |
 
 def _fit_group(rows: list, cache_bytes: float, activations: bool) -> tuple[float, Fit]:
     """One implementation's :class:`Fit` and M profile, with its mean squared log error."""
-    found = fit([point for _, point in rows], cache_bytes=cache_bytes,
-                activations=[activation_bytes(w) for w, _ in rows] if activations else None)
-    fitted = [(w.m, found.predict_us(flops, nbytes, n_steps, *activation_bytes(w)), us)
-              for w, (flops, nbytes, n_steps, us) in rows]
+    extra = [activation_bytes(w) for w, _ in rows]
+    found = fit([point for _, point in rows], cache_bytes=cache_bytes, activations=extra if activations else None)
+    fitted = [(w.m, found.predict_us(flops, nbytes, n_steps, *x_y), us)
+              for (w, (flops, nbytes, n_steps, us)), x_y in zip(rows, extra)]
     residuals: dict[int, list[float]] = {}
     for m, predicted, us in fitted:
         residuals.setdefault(m, []).append(math.log(us / predicted))

@@ -119,17 +119,15 @@ def compiles(log) -> int:
 
 
 def kernels_of_24_sites(shapes, dtypes) -> list:
-    """The kernels 2:4 sites of these [N, K] shapes run: the compressor, the GEMMs of each M
-    bucket and the small-batch kernels (for the GPU test modules' ``KERNELS``)."""
-    from sparsecc import gpu
-    from sparsecc.codegen import Family, KernelSpec
-    specs = []
-    for dtype in dtypes:
-        specs.append(KernelSpec(Family.SM90_COMPRESS24, str(dtype).replace("torch.", "")))
-        for n, k in shapes:
-            for family in (Family.SM90_SPARSE24, Family.GEMV_SM90_SPARSE24):
-                specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
-    return specs
+    """The kernels 2:4 sites of these [N, K] shapes run, as ``sparsecc generate`` lists them:
+    the small-batch kernels (a site planned at M=1), the compressor and the GEMMs of each M
+    bucket (any other site), for the GPU test modules' ``KERNELS``."""
+    from types import SimpleNamespace
+
+    from sparsecc.gpu import plan_kernels
+    return plan_kernels([SimpleNamespace(choice="2:4", dtype=str(dtype).replace("torch.", ""), shape=shape,
+                                         density=0.5, m=m)
+                         for dtype in dtypes for shape in shapes for m in (1, None)])
 
 
 def pytest_collection_finish(session):

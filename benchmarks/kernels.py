@@ -5,8 +5,6 @@
 - ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
 - ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
 - ``sparsecc-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
-- ``sparsecc-flagged``: the same under SPARSECC_NONFINITE=flagged (the pass runs only when the
-  GEMM's epilogue saw a value that is not finite: with finite x, a memset and an early exit),
 - ``sparsecc-nonfinite-pass``: the part of ``sparsecc`` that makes NaN and Inf of x propagate
   as in dense (one read of x after the product), timed alone,
 - ``sparsecc-config`` rows: every launch (tiling and scheduler knobs) sparsecc can dispatch
@@ -40,7 +38,7 @@ from common import environment, rel_err, time_eager_us, time_graph_us, write  # 
 
 from sparsecc import gpu, runtime, tuning  # noqa: E402
 from sparsecc.codegen import Family  # noqa: E402
-from sparsecc.epilogue import FLAGGED_NONFINITE, UNCHECKED_NONFINITE  # noqa: E402
+from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [1, 16, 128, 2048, 8192]
@@ -97,7 +95,6 @@ def main(argv=None) -> dict:
             sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
             dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
             unchecked_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], UNCHECKED_NONFINITE)
-            flagged_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], FLAGGED_NONFINITE)
             try:
                 from torch.sparse import to_sparse_semi_structured
                 w_semi = to_sparse_semi_structured(w)
@@ -113,8 +110,6 @@ def main(argv=None) -> dict:
                                                           False, False, sparse_table),
                     "sparsecc-unchecked": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias,
                                                                     "relu", False, False, unchecked_table),
-                    "sparsecc-flagged": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias,
-                                                                  "relu", False, False, flagged_table),
                 }
                 if not isinstance(w_semi, Exception):
                     impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
@@ -200,7 +195,7 @@ def geomean(values) -> float:
 
 def print_summary(result: dict) -> None:
     for dtype in ("float16", "bfloat16"):
-        for impl in ("sparsecc", "sparsecc-unchecked", "sparsecc-flagged", "sparsecc-dense", "torch-semi-structured"):
+        for impl in ("sparsecc", "sparsecc-unchecked", "sparsecc-dense", "torch-semi-structured"):
             big = speedups(result, impl, dtype, 2048)
             allm = speedups(result, impl, dtype)
             eager = speedups(result, impl, dtype, key="us_eager")

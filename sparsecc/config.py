@@ -15,9 +15,7 @@ change the environment at run time.
 | SPARSECC_LAUNCHER        | ``cpp`` (the C++ launch path) or ``python`` (the fallback)  | cpp                      |
 | SPARSECC_NONFINITE       | ``propagate``: NaN/Inf of x reach y as in dense F.linear;  | propagate                |
 |                          | ``unchecked``: 2:4 GEMM sites packed from now on skip that |                          |
-|                          | pass (faster; for inputs known to be finite); ``flagged``: |                          |
-|                          | they run it only when the GEMM saw a value that is not     |                          |
-|                          | finite (exact; not yet measured on a GPU, hence opt-in)    |                          |
+|                          | pass (faster; for inputs known to be finite)               |                          |
 """
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ from .errors import InputError
 
 _BUILD_ERROR_POLICIES = ("raise", "fallback")
 _LAUNCHERS = ("cpp", "python")
-_NONFINITE = ("propagate", "unchecked", "flagged")
+_NONFINITE = ("propagate", "unchecked")
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,6 @@ ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 #: added to the activation code of a 2:4 GEMM call: skip the pass that makes NaN and Inf of
 #: x propagate as in dense (SPARSECC_NONFINITE=unchecked; see sparsecc.config)
 UNCHECKED_NONFINITE = 0x100
-#: added to a 2:4 GEMM site's activation code: the GEMM's epilogue raises a flag when a value
-#: is NaN or infinite, and the NaN/Inf pass runs only then (SPARSECC_NONFINITE=flagged; exact
-#: when every column of W holds a non-zero, see sparsecc.gpu.nonfinite_flags_24)
-FLAGGED_NONFINITE = 0x200
 
 
 def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.Tensor:

@@ -17,7 +17,7 @@ from . import runtime
 from .build import toolchain
 from .codegen import Family, KernelSpec, Schedule, Scheduler
 from .config import settings
-from .epilogue import ACTIVATION_CODES, FLAGGED_NONFINITE, UNCHECKED_NONFINITE, Activation
+from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE, Activation
 from .errors import InputError, KernelBuildError, SparseccError
 from .formats import NM_2_4, FormatSpec, PackedWeight
 
@@ -192,17 +192,6 @@ def nonfinite_flags() -> int:
     return UNCHECKED_NONFINITE if settings().nonfinite == "unchecked" else 0
 
 
-def nonfinite_flags_24(weight: torch.Tensor) -> int:
-    """What a 2:4 GEMM site packed now adds to its activation codes: :func:`nonfinite_flags`, or
-    under SPARSECC_NONFINITE=flagged :data:`~sparsecc.epilogue.FLAGGED_NONFINITE` (the pass runs
-    only when the GEMM's epilogue saw a value that is not finite) if every column of ``weight``
-    holds a non-zero: a NaN of x in a column no row of W stores would reach no product, so such
-    a weight keeps the full pass."""
-    if settings().nonfinite != "flagged":
-        return nonfinite_flags()
-    return FLAGGED_NONFINITE if bool((weight != 0).any(dim=0).all()) else 0
-
-
 def kernels_unavailable(device: torch.device) -> str | None:
     """Why sparsecc's kernels cannot run on ``device``, or None if they can."""
     if device.type != "cuda":
@@ -359,7 +348,7 @@ class CutlassSparse24Weight(KernelWeight):
                             torch.cuda.current_stream().cuda_stream)
         table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
-        return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags_24(dense)))
+        return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags()))
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly by running the kernel on an identity: I @ W^T = W^T (fp32 accumulation

@@ -65,24 +65,3 @@ def test_nonfinite_setting_reaches_the_dispatch_table(monkeypatch):
     bsr = gpu.Launch(KernelSpec(Family.BSR_SM90, "float16"))
     assert gpu.dispatch_string([(0, bsr)], UNCHECKED_NONFINITE).endswith(f":{UNCHECKED_NONFINITE}")
     assert UNCHECKED_NONFINITE > max(ACTIVATION_CODES.values())
-
-
-def test_flagged_mode_only_for_weights_whose_every_column_holds_a_value(monkeypatch):
-    """SPARSECC_NONFINITE=flagged: a 2:4 GEMM site gets the flagged bit when every column of its
-    weight holds a non-zero (a NaN of x then reaches some product and raises the GEMM's flag);
-    a weight with an empty column keeps the full pass; BSR sites never get the bit. Under the
-    other settings the 2:4 flags are the common ones."""
-    from sparsecc import gpu
-    from sparsecc.epilogue import ACTIVATION_CODES, FLAGGED_NONFINITE, UNCHECKED_NONFINITE
-    from conftest import n_m
-    w = n_m(64, 128, 2, 4, torch.Generator().manual_seed(0))
-    assert bool((w != 0).any(dim=0).all())
-    assert gpu.nonfinite_flags_24(w) == 0
-    monkeypatch.setenv("SPARSECC_NONFINITE", "unchecked")
-    assert gpu.nonfinite_flags_24(w) == UNCHECKED_NONFINITE
-    monkeypatch.setenv("SPARSECC_NONFINITE", "flagged")
-    assert settings().nonfinite == "flagged" and gpu.nonfinite_flags() == 0
-    assert gpu.nonfinite_flags_24(w) == FLAGGED_NONFINITE
-    w[:, 5] = 0
-    assert gpu.nonfinite_flags_24(w) == 0
-    assert FLAGGED_NONFINITE & UNCHECKED_NONFINITE == 0 and FLAGGED_NONFINITE > max(ACTIVATION_CODES.values())

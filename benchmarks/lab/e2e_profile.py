@@ -115,9 +115,9 @@ def main(argv=None) -> dict:
                     print(f"    host {entry['self_us']:9.1f} us  {entry['op'][:100]}")
         model = None
         torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "e2e_profile.json")
-    with open(path, "w") as file:
-        json.dump(result, file, indent=1)
+        path = os.path.join(os.environ.get("OUT", "/tmp"), "e2e_profile.json")
+        with open(path, "w") as file:          # after every model: a time limit loses nothing done
+            json.dump(result, file, indent=1)
     print("wrote", path)
     return result
 

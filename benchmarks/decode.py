@@ -2,11 +2,12 @@
 
 - ``cublas``: torch ``F.linear`` then ``relu`` (the baseline),
 - ``sparsecc-gemm``: sparsecc's 2:4 CUTLASS GEMM with its M dispatch table,
-- ``sparsecc-config`` rows: the small-batch 2:4 kernel (templates/gemv_sm90_sparse24) in each
-  tiling of the batch's bucket (sparsecc.gpu.gemv_candidates),
-- ``sparsecc``: the small-batch 2:4 kernel with the best tiling of this run, through the op.
+- ``sparsecc-config`` rows: the small-batch 2:4 kernels in each of their tilings, on CUDA cores
+  (templates/gemv_sm90_sparse24, sparsecc.gpu.gemv_candidates: those of the batch's bucket) and
+  on tensor cores (templates/gemv_mma_sm90_sparse24, sparsecc.gpu.mma_candidates),
+- ``sparsecc``: the small-batch kernel and tiling fastest in this run, through the op.
 
-M in {1, 4, 16}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
+M in {1, 4, 8, 16}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
 under CUDA-graph replay, ``us_eager`` called eagerly; every call reads its own copy of the
 weight (``copies`` of them, cycled, over 128 MiB together), so weights come from memory as in
 a model, not from the 50 MB L2 cache. The device's copy bandwidth is measured
@@ -32,9 +33,10 @@ from common import environment, rel_err, time_eager_us, time_graph_us, write  # 
 from kernels import SHAPES, two_four  # noqa: E402
 
 from sparsecc import gpu, runtime, tuning  # noqa: E402
+from sparsecc.codegen import Family  # noqa: E402
 from sparsecc.timing import copies_for  # noqa: E402
 
-MS = [1, 4, 16]
+MS = [1, 4, 8, 16]
 
 
 def copy_bandwidth_gbps() -> float:
@@ -61,7 +63,8 @@ def main(argv=None) -> dict:
     result["copy_gbps"] = round(copy_bandwidth_gbps(), 1)
     result["read_gbps"] = round(read_bandwidth_gbps(), 1)
     print(f"copy bandwidth {result['copy_gbps']} GB/s, read {result['read_gbps']} GB/s", flush=True)
-    runtime.ensure([launch.spec for name in args.dtypes for launch in gpu.gemv_candidates(getattr(torch, name))])
+    runtime.ensure([launch.spec for name in args.dtypes
+                    for launch in gpu.gemv_candidates(getattr(torch, name)) + gpu.mma_candidates(getattr(torch, name))])
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         dtype = getattr(torch, name)
@@ -70,18 +73,21 @@ def main(argv=None) -> dict:
             bias = torch.randn(n, dtype=dtype, device="cuda")
             gemm = gpu.CutlassSparse24Weight.from_dense(w, progress=False)
             small = gpu.Sparse24GemvWeight.pack(w)
+            mma = gpu.Sparse24MmaWeight.pack(w)
             copies = copies_for(w.numel() * w.element_size())        # every call reads its own copy
 
             def copied(*tensors):
                 return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
-            dense_w, gemm_w, small_w = copied(w), copied(gemm.values, gemm.metadata), copied(small.values, small.metadata)
+            dense_w, gemm_w = copied(w), copied(gemm.values, gemm.metadata)
+            small_w = {Family.GEMV_SM90_SPARSE24: copied(small.values, small.metadata),
+                       Family.GEMV_MMA_SM90_SPARSE24: copied(mma.values, mma.metadata)}
+            moved_w = {Family.GEMV_SM90_SPARSE24: small.nbytes, Family.GEMV_MMA_SM90_SPARSE24: mma.nbytes}
             turn = itertools.count()
             for m in MS:
                 x = torch.randn(m, k, dtype=dtype, device="cuda")
                 ref = torch.relu(x.float() @ w.float().t() + bias.float())
                 common = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "density": 0.5, "block": None,
                           "copies": copies}
-                moved = small.nbytes + x.numel() * 2 + m * n * 2
 
                 def add(impl, fn, fmt="2:4", graph_only=False, **extra):
                     out = fn()
@@ -90,24 +96,23 @@ def main(argv=None) -> dict:
                     result["rows"].append(row)
                     return row
 
-                def small_batch(table):
-                    return lambda: gpu.linear_kernel(x, *small_w[next(turn) % copies], n, k, bias, "relu", False, False,
+                def small_batch(launch):
+                    table, weights = gpu.dispatch_string([(0, launch)]), small_w[launch.spec.family]
+                    return lambda: gpu.linear_kernel(x, *weights[next(turn) % copies], n, k, bias, "relu", False, False,
                                                      table)
 
                 base = add("cublas", lambda: torch.relu(F.linear(x, *dense_w[next(turn) % copies], bias)), fmt="dense")
                 add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
                                                                False, False, gemm.kernels))
                 best = None
-                candidates = gpu.gemv_candidates(dtype, m)
+                candidates = gpu.gemv_candidates(dtype, m) + gpu.mma_candidates(dtype)
                 for launch in candidates:
-                    table = gpu.dispatch_string([(0, launch)])
-                    row = add("sparsecc-config", small_batch(table), graph_only=True, config=launch.label,
+                    row = add("sparsecc-config", small_batch(launch), graph_only=True, config=launch.label,
                               launch={"spec": json.loads(launch.spec.describe()), "swizzle": 1, "splits": 1})
                     if best is None or row["us"] < best[1]["us"]:
-                        best = (table, row)
-                table = best[0]
-                gbps = moved / best[1]["us"] / 1e3
-                row = add("sparsecc", small_batch(table),
+                        best = (launch, row)
+                gbps = (moved_w[best[0].spec.family] + x.numel() * 2 + m * n * 2) / best[1]["us"] / 1e3
+                row = add("sparsecc", small_batch(best[0]),
                           config=best[1]["config"], gbps=round(gbps, 1), of_copy=round(gbps / result["copy_gbps"], 3),
                           of_read=round(gbps / result["read_gbps"], 3))
                 print(f"{name} M={m:2d} {n:5d}x{k:5d}: cublas {base['us']:6.1f} us, gemm "

@@ -29,20 +29,20 @@ def session_specs(sweep=("float16", "bfloat16")) -> list[KernelSpec]:
     for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
         specs += [KernelSpec(family, "float16", x_transposed=True), KernelSpec(family, "float16", transpose_out=True)]
     for name in ("float16", "bfloat16"):          # the small-batch kernels: every tiling decode.py measures
-        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name))]
+        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name)) + gpu.mma_candidates(getattr(torch, name))]
     return list(dict.fromkeys(specs))
 
 
 def small_batch_session_specs() -> list[KernelSpec]:
     """What the small-batch tests and benchmarks/decode.py need: the compressors, every 2:4
-    GEMM the tuning table names, every small-batch tiling."""
+    GEMM the tuning table names, every small-batch tiling (CUDA and tensor cores)."""
     from sparsecc import tuning
     specs = [KernelSpec(Family.SM90_COMPRESS24, name) for name in ("float16", "bfloat16")]
     for entry in tuning.table()["entries"]:
         if entry["family"] == Family.SM90_SPARSE24.value:
             specs += [KernelSpec(**dict(entry["spec"], dtype=name)) for name in ("float16", "bfloat16")]
     for name in ("float16", "bfloat16"):
-        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name))]
+        specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name)) + gpu.mma_candidates(getattr(torch, name))]
         for n, k in SHAPES:
             specs += [launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, getattr(torch, name), n, k)]
     return list(dict.fromkeys(specs))

@@ -56,7 +56,7 @@ log = logging.getLogger("sparsecc")
 #: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
 #: no BSR kernel for the dtype or block, sparsecc.ops' batched block products), sparsecc's
 #: BSR kernels, torch's CSR product and sparsecc's CSR kernel
-IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
+IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "sparse24-mma", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
          "csr", "csr-kernel")
 #: on the CPU the probes are timed in this many rounds over all of them, each keeping its
 #: fastest: a shared machine's speed drifts by tens of percent over seconds, and rounds spread
@@ -104,7 +104,7 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
         tiles = math.ceil(n / tile_n) * math.ceil(m / tile_m)
         waves = math.ceil(tiles / sms) * sms / tiles
         return tiles * tile_n * tile_m * k * waves, n * k * e * 9 / 16 + act     # half the math of dense
-    if w.impl == "sparse24-gemv":
+    if w.impl in ("sparse24-gemv", "sparse24-mma"):
         return 1.0 * m * n * k, n * k * e * 9 / 16 + act
     if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
         kept = n * k * w.density
@@ -533,7 +533,7 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
         shapes = [(2048, 2048), (8192, 2048), (2048, 8192), (5120, 5120), (1024, 2048)]
         for n, k in shapes:
             probes += [Probe(n, k, "dense", 1.0, "dense", m) for m in (1, 8, 64, 512, 4096)]
-            probes += [Probe(n, k, "2:4", 0.5, "2:4", m) for m in (1, 4, 16, 128, 1024, 4096)]
+            probes += [Probe(n, k, "2:4", 0.5, "2:4", m) for m in (1, 4, 8, 16, 128, 1024, 4096)]
         for n, k in ((512, 2048), (3072, 1024), (1536, 1536), (4096, 512), (8192, 8192)):   # batch 1
             probes += [Probe(n, k, "dense", 1.0, "dense", 1), Probe(n, k, "2:4", 0.5, "2:4", 1)]
         for n, k in shapes[1:3]:

@@ -85,7 +85,8 @@ CLOSE_CALL_RETIMES = 2
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
     "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
-             "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
+             "sparse24-gemv": calib.Fit(5.0, 50e12, 1.8e12, 4.0),
+             "sparse24-mma": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
              "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0),
              "bsr-kernel": calib.Fit(8.0, 450e12, 6e12, 4.0), "bsr-kernel-small": calib.Fit(8.0, 350e12, 2.2e12, 4.0),
              "csr-kernel": calib.Fit(8.0, 250e12, 2.2e12, 4.0)},
@@ -307,8 +308,10 @@ class CostModel:
         if spec.kind == "nm":
             if not self.uses_kernel(stats, spec):
                 return "nm-unpack"
-            from .gpu import GEMV_MAX_M
-            return "sparse24-gemv" if planned_m is not None and planned_m <= GEMV_MAX_M else "sparse24-gemm"
+            from .codegen import Family
+            from .gpu import small_batch_family
+            return {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
+                    None: "sparse24-gemm"}[small_batch_family(planned_m)]
         if spec.kind == "bsr" and self.uses_kernel(stats, spec):
             return "bsr-kernel"
         if spec.kind == "bsr":

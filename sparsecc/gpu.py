@@ -98,10 +98,20 @@ GEMV_BUCKETS = ((1, 1), (4, 4), (16, 16), (0, 16))
 _DEFAULT_TABLE[Family.GEMV_SM90_SPARSE24] = {1: dict(tile=(4, 2, 1)), 4: dict(tile=(4, 2, 4)),
                                              16: dict(tile=(4, 2, 16)), 0: dict(tile=(4, 2, 16))}
 
-#: the largest batch the plan runs a 2:4 site with the gemv kernels at: the CUTLASS GEMMs
-#: take over above. Measured on an H100 (benchmarks/decode.py, 2026-11-23): at M=1 the gemv
-#: kernels are 1.6-2.1x faster than cuBLAS and the GEMMs 0.7-1.3x; at M=4 the GEMMs mostly win
+#: the tensor-core small-batch kernel: each block takes 8 rows of x (more rows, more blocks)
+MMA_BUCKETS = ((1, 1), (8, 8), (0, 8))
+_DEFAULT_TABLE[Family.GEMV_MMA_SM90_SPARSE24] = {1: dict(tile=(8, 1, 1)), 8: dict(tile=(8, 1, 1)),
+                                                 0: dict(tile=(8, 1, 1))}
+_BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE24: MMA_BUCKETS}
+
+#: the largest batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core
+#: kernel (gemv) up to GEMV_MAX_M, the tensor-core one up to MMA_MAX_M, the CUTLASS GEMMs
+#: above. Measured on an H100 (benchmarks/decode.py, 2026-11-23, six shapes, fp16 and bf16):
+#: at M=1 the gemv kernel is 1.6-2.1x faster than cuBLAS, the tensor-core kernel 1.56-1.81x
+#: (slower than gemv on 1-16 MB weights: its partial sums meet across warps); at M=4 and 8 the
+#: tensor-core kernel is 1.49-1.77x faster than cuBLAS, the GEMMs 0.64-1.4x
 GEMV_MAX_M = 1
+MMA_MAX_M = 8
 
 
 def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features: int) -> list[tuple[int, Launch]]:
@@ -110,7 +120,7 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
     from .tuning import best_launch
     name = str(dtype).replace("torch.", "")
     table = []
-    for bound, m in (GEMV_BUCKETS if family.gemv else M_BUCKETS):
+    for bound, m in _BUCKETS.get(family, M_BUCKETS):
         launch = best_launch(family, name, m, out_features, in_features)
         table.append((bound, launch or Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))))
     return table
@@ -128,7 +138,7 @@ def kernel_tile(family: Family, dtype: torch.dtype, out_features: int, in_featur
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     """Every kernel a plan's CUDA sites need, per architecture: for sm_90a each M bucket's
     kernel of every 2:4 site the kernels take (the small-batch kernels for a site planned at
-    M <= GEMV_MAX_M, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
+    M <= MMA_MAX_M, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
     the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time.
     A CSR site's kernels depend on its fullest tile, which the plan does not record: it gets
     those of every tile capacity its density may need (the expected fullest tile and above)."""
@@ -148,8 +158,9 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
                       for _, launch in csr_kernel.dispatch(dtype, capacity)]
         if choice != NM_2_4 or shape_supported(*site.shape, dtype):
             continue
-        if "sm_90a" in archs and site.m is not None and site.m <= GEMV_MAX_M:
-            specs += [launch.spec for _, launch in dispatch(Family.GEMV_SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
+        small = small_batch_family(site.m)
+        if "sm_90a" in archs and small is not None:
+            specs += [launch.spec for _, launch in dispatch(small, getattr(torch, site.dtype), *site.shape)]
         elif "sm_90a" in archs:
             specs.append(KernelSpec(Family.SM90_COMPRESS24, site.dtype))
             specs += [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
@@ -218,6 +229,20 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
         return (f"the kernels need K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0 "
                 f"(this weight is {out_features}x{in_features})")
     return None
+
+
+def small_batch_family(m: int | None) -> Family | None:
+    """The small-batch kernel family a 2:4 site planned for ``m`` rows runs on, or None (the GEMMs)."""
+    if m is None or m > MMA_MAX_M:
+        return None
+    return Family.GEMV_SM90_SPARSE24 if m <= GEMV_MAX_M else Family.GEMV_MMA_SM90_SPARSE24
+
+
+def mma_candidates(dtype: torch.dtype) -> list[Launch]:
+    """The tensor-core small-batch kernel's tilings benchmarks/decode.py measures."""
+    name = str(dtype).replace("torch.", "")
+    return [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, name, tile=(w, u, c)))
+            for w in (4, 8) for u in (1, 2) for c in (1, 2, 4)]
 
 
 def gemv_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
@@ -315,12 +340,86 @@ class Sparse24GemvWeight(KernelWeight):
         return dense.reshape(n, k)
 
 
+#: the tensor-core small-batch layout's unit: 16 output features x 64 inputs (512 kept values, 32 words)
+MMA_UNIT_ROWS, MMA_UNIT_COLUMNS = 16, 64
+#: metadata of four groups of four that keep positions 0 and 1: what padding stores
+_PADDING_CODES = 0x4444
+
+
+@dataclass
+class Sparse24MmaWeight(KernelWeight):
+    """A 2:4 weight in the layout of the tensor-core small-batch kernels
+    (templates/gemv_mma_sm90_sparse24, which describes it): units of 16 output features x 64 inputs, zero-padded to whole units.
+    ``values`` [ceil(N/16), ceil(K/64), 512] holds each unit's kept values in the order of the
+    sparse tensor cores' A fragments (8 per lane and 32-input half); ``metadata``
+    [ceil(N/16), ceil(K/64), 32] int32 a word per lane, two rows' 16-bit metadata (each group
+    of four's two positions, 2 bits each) for one 16-input piece."""
+
+    spec = NM_2_4
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "Sparse24MmaWeight":
+        """The layout alone (any device): exact for a weight with at most two non-zeros per
+        group of four along K."""
+        n, k = weight.shape
+        if k % K_MULTIPLE:
+            raise InputError(f"the small-batch layout needs K % {K_MULTIPLE} == 0 (this weight is {n}x{k})")
+        groups = weight.detach().reshape(n, k // 4, 4)
+        nonzero = groups != 0
+        if (nonzero.sum(-1) > 2).any():
+            raise InputError("the weight is not 2:4: some group of four along K has more than two non-zeros")
+        # keep the non-zeros, then the lowest positions, so every group has exactly two entries
+        preference = nonzero.to(torch.int8) * 4 + torch.arange(3, -1, -1, dtype=torch.int8, device=weight.device)
+        positions = preference.topk(2, dim=-1).indices.sort(dim=-1).values
+        codes = (positions[..., 0] | (positions[..., 1] << 2)).reshape(n, k // 16, 4).to(torch.int64)
+        tiles, units = -(-n // MMA_UNIT_ROWS), -(-k // MMA_UNIT_COLUMNS)
+        values = weight.new_zeros(tiles * 16, units * 32)
+        values[:n, :k // 2] = groups.gather(-1, positions).reshape(n, k // 2)
+        bits = torch.full((tiles * 16, units * 4), _PADDING_CODES, dtype=torch.int64, device=weight.device)
+        bits[:n, :k // 16] = sum(codes[..., g] << (4 * g) for g in range(4))
+        # (unit row, row // 8, g, unit, half, column // 8, t, column % 2) -> lane 4g + t's 8 values
+        values = values.reshape(tiles, 2, 8, units, 2, 2, 4, 2).permute(0, 3, 4, 2, 6, 5, 1, 7)
+        bits = bits.reshape(tiles, 2, 8, units, 2, 2)        # (unit row, row // 8, q, unit, half, piece)
+        words = (bits[:, 0] | (bits[:, 1] << 16)).permute(0, 2, 1, 3, 4).reshape(tiles, units, 32)
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        return cls(values.reshape(tiles, units, 512).contiguous(), words.contiguous(), n, k)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "Sparse24MmaWeight":
+        """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
+        cls._check(weight)
+        packed = cls.pack(weight)
+        table = dispatch(Family.GEMV_MMA_SM90_SPARSE24, weight.dtype, *weight.shape)
+        runtime.ensure([launch.spec for _, launch in table], progress=progress)
+        packed.kernels = dispatch_string(table)
+        return packed
+
+    def to_dense(self) -> torch.Tensor:
+        """Unpack exactly (torch ops: every value goes back to its position)."""
+        n, k = self.out_features, self.in_features
+        tiles, units = self.values.shape[:2]
+        values = self.values.reshape(tiles, units, 2, 8, 4, 2, 2, 2).permute(0, 6, 3, 1, 2, 5, 4, 7)
+        values = values.reshape(tiles * 16, units * 32)[:n, :k // 2]
+        words = self.metadata.to(torch.int64).reshape(tiles, units, 8, 2, 2).permute(0, 2, 1, 3, 4)
+        bits = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], dim=1).reshape(tiles * 16, units * 4)
+        bits = bits[:n, :k // 16]
+        codes = torch.stack([(bits >> (4 * g)) & 0xF for g in range(4)], dim=-1).reshape(n, k // 4)
+        positions = torch.stack([codes & 3, codes >> 2], dim=-1)
+        dense = values.new_zeros(n, k // 4, 4)
+        dense.scatter_(-1, positions, values.reshape(n, k // 4, 2))
+        return dense.reshape(n, k)
+
+
 def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
     """The 2:4 layout for a site that runs with ``m`` rows: the small-batch kernels up to
-    :data:`GEMV_MAX_M` (memory-bound: they read 9/16 of the dense bytes), the CUTLASS GEMMs
-    above. Either serves every batch size; each is fastest in its own range."""
-    if m is not None and m <= GEMV_MAX_M:
+    :data:`MMA_MAX_M` (memory-bound: they read 9/16 of the dense bytes; CUDA cores up to
+    :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs above. Every layout serves
+    every batch size; each is fastest in its own range."""
+    small = small_batch_family(m)
+    if small is Family.GEMV_SM90_SPARSE24:
         return Sparse24GemvWeight.from_dense(weight, progress=progress)
+    if small is Family.GEMV_MMA_SM90_SPARSE24:
+        return Sparse24MmaWeight.from_dense(weight, progress=progress)
     return CutlassSparse24Weight.from_dense(weight, progress=progress)
 
 

@@ -120,14 +120,14 @@ def compiles(log) -> int:
 
 def kernels_of_24_sites(shapes, dtypes) -> list:
     """The kernels 2:4 sites of these [N, K] shapes run, as ``sparsecc generate`` lists them:
-    the small-batch kernels (a site planned at M=1), the compressor and the GEMMs of each M
-    bucket (any other site), for the GPU test modules' ``KERNELS``."""
+    the small-batch kernels (sites planned at M=1 and at M=4), the compressor and the GEMMs of
+    each M bucket (any other site), for the GPU test modules' ``KERNELS``."""
     from types import SimpleNamespace
 
     from sparsecc.gpu import plan_kernels
     return plan_kernels([SimpleNamespace(choice="2:4", dtype=str(dtype).replace("torch.", ""), shape=shape,
                                          density=0.5, m=m)
-                         for dtype in dtypes for shape in shapes for m in (1, None)])
+                         for dtype in dtypes for shape in shapes for m in (1, 4, None)])
 
 
 def pytest_collection_finish(session):

@@ -117,7 +117,7 @@ def test_empty_batch(site, shape, x_transposed, transpose_out, expected):
 
 #: the two 2:4 layouts: CUTLASS's (the GEMMs, fixed up after the product) and the
 #: small-batch kernels' (checked inside the kernel)
-PACKINGS = {"gemm": gpu.CutlassSparse24Weight, "gemv": gpu.Sparse24GemvWeight}
+PACKINGS = {"gemm": gpu.CutlassSparse24Weight, "gemv": gpu.Sparse24GemvWeight, "gemv-mma": gpu.Sparse24MmaWeight}
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -114,6 +114,7 @@ def _pruned_model(dtype=torch.float16):
 @pytest.mark.parametrize("rows, expected", [
     (64, {Family.SM90_COMPRESS24, Family.SM90_SPARSE24, Family.SM80_SPARSE24}),
     (1, {Family.GEMV_SM90_SPARSE24, Family.SM80_SPARSE24}),       # decode: the gemv kernels
+    (4, {Family.GEMV_MMA_SM90_SPARSE24, Family.SM80_SPARSE24}),   # batched decode: the tensor-core ones
 ])
 def test_plan_kernels_cover_every_2_4_site_the_kernels_take(rows, expected):
     from sparsecc import plan
@@ -136,7 +137,7 @@ def test_generate_command_from_a_model_and_from_a_plan(fake_nvcc, tmp_path, caps
     assert main(["generate", f"{script}:build", "--arch", "sm_90a", "--out", str(tmp_path / "a")]) == 0
     first = KernelDirectory(tmp_path / "a")
     symbols = {k["symbol"] for k in first.manifest["kernels"]}
-    assert any(s.startswith("sparsecc_gemm_sm90_sparse24_f16") for s in symbols)      # batch 4
+    assert any(s.startswith("sparsecc_gemv_mma_sm90_sparse24_f16") for s in symbols)  # batch 4
     capsys.readouterr()
     assert main(["plan", f"{script}:build", "--dtype", "float16", "--device", "cpu", "--formats", "2:4", "--json"]) == 0
     (tmp_path / "plan.json").write_text(capsys.readouterr().out)

@@ -45,19 +45,13 @@ def entry(name):
 
 
 def mma_layout(weight: torch.Tensor) -> torch.Tensor:
-    """The prototype's weight layout (see the .cu file) from a 2:4 [N, K] weight, via the
-    small-batch kernel's packing (kept values [N, K/2], 16-bit metadata per 16 inputs)."""
+    """The prototype's weight layout (see the .cu file) from a 2:4 [N, K] weight: the same units
+    as sparsecc.gpu.Sparse24GemvWeight (which took this layout over), values and metadata of each
+    unit side by side (N % 16 == 0, K % 64 == 0)."""
     packed = gpu.Sparse24GemvWeight.pack(weight)
-    n, k = weight.shape
-    tiles, units = n // 16, k // 64
-    v = packed.values.reshape(tiles, 2, 8, units, 2, 2, 4, 2)          # tile, row/8, g, unit, half, col/8, t, col%2
-    v = v.permute(0, 3, 4, 2, 6, 5, 1, 7).reshape(tiles, units, 2 * 32 * 8)
-    e = packed.metadata.to(torch.int32) & 0xFFFF
-    e = e.reshape(tiles, 2, 8, units, 2, 2)                             # tile, row/8, q, unit, half, piece
-    words = (e[:, 0] | (e[:, 1] << 16)).permute(0, 2, 1, 3, 4).reshape(tiles, units, 32)
-    values = v.contiguous().view(torch.uint8).reshape(tiles, units, 1024)
-    meta = words.contiguous().view(torch.uint8).reshape(tiles, units, 128)
-    return torch.cat([values, meta], dim=-1).contiguous()
+    tiles, units = packed.values.shape[:2]
+    return torch.cat([packed.values.view(torch.uint8).reshape(tiles, units, 1024),
+                      packed.metadata.view(torch.uint8).reshape(tiles, units, 128)], dim=-1).contiguous()
 
 
 def call(fn, w, x, bias, y, relu=1):
@@ -90,7 +84,7 @@ def main():
     src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     result["copy_gbps"] = round(2 * src.numel() * 2 / time_graph_us(lambda: dst.copy_(src), calls=2) / 1e3, 1)
-    del src, dst
+    src = dst = None      # 2 GiB back before the weights
     print("copy bandwidth", result["copy_gbps"], "GB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     plans = [("float16", "f16", SHAPES, MS)] + [("bfloat16", "bf16", SHAPES, [1, 4, 16])]

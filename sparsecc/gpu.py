@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 
@@ -290,54 +291,76 @@ class KernelWeight(PackedWeight):
             raise InputError(reason)
 
 
+def _kept_pairs(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the small-batch layouts store of a 2:4 [N, K] weight: the two kept entries of each
+    group of four along K ([N, K/2], in order; a group with fewer non-zeros keeps zeros at its
+    lowest free positions) and their positions as 16 bits per 16 inputs ([N, K/16] int64, group
+    g's two positions in bits 4g..4g+1 and 4g+2..4g+3). InputError if it is not 2:4."""
+    n, k = weight.shape
+    if k % K_MULTIPLE:
+        raise InputError(f"the {layout} layout needs K % {K_MULTIPLE} == 0 (this weight is {n}x{k})")
+    groups = weight.detach().reshape(n, k // 4, 4)
+    nonzero = groups != 0
+    if (nonzero.sum(-1) > 2).any():
+        raise InputError("the weight is not 2:4: some group of four along K has more than two non-zeros")
+    preference = nonzero.to(torch.int8) * 4 + torch.arange(3, -1, -1, dtype=torch.int8, device=weight.device)
+    positions = preference.topk(2, dim=-1).indices.sort(dim=-1).values
+    codes = (positions[..., 0] | (positions[..., 1] << 2)).reshape(n, k // 16, 4).to(torch.int64)
+    return groups.gather(-1, positions).reshape(n, k // 2), sum(codes[..., g] << (4 * g) for g in range(4))
+
+
+def _dense_from_pairs(values: torch.Tensor, bits: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [N, K] weight back from :func:`_kept_pairs`' two arrays: every value to its position."""
+    codes = torch.stack([(bits >> (4 * g)) & 0xF for g in range(4)], dim=-1).reshape(n, k // 4)
+    positions = torch.stack([codes & 3, codes >> 2], dim=-1).long()
+    dense = values.new_zeros(n, k // 4, 4)
+    dense.scatter_(-1, positions, values.reshape(n, k // 4, 2))
+    return dense.reshape(n, k)
+
+
 @dataclass
-class Sparse24GemvWeight(KernelWeight):
+class SmallBatchWeight(KernelWeight):
+    """A 2:4 weight packed for a small-batch kernel family (``family``), by ``pack``."""
+
+    spec = NM_2_4
+    family: ClassVar[Family]
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "SmallBatchWeight":
+        raise NotImplementedError
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "SmallBatchWeight":
+        """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
+        cls._check(weight)
+        packed = cls.pack(weight)
+        table = dispatch(cls.family, weight.dtype, *weight.shape)
+        runtime.ensure([launch.spec for _, launch in table], progress=progress)
+        packed.kernels = dispatch_string(table)
+        return packed
+
+
+@dataclass
+class Sparse24GemvWeight(SmallBatchWeight):
     """A 2:4 weight in the layout of the small-batch kernels (templates/gemv_sm90_sparse24):
     ``values`` [N, K/2] (the two kept entries of each group of four, in order) and
     ``metadata`` [N, K/16] int16 holding 16 bits per four groups (each group's two positions,
     2 bits each)."""
 
-    spec = NM_2_4
+    family = Family.GEMV_SM90_SPARSE24
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24GemvWeight":
         """The layout alone (any device): exact for a weight with at most two non-zeros per
         group of four along K."""
-        n, k = weight.shape
-        if k % K_MULTIPLE:
-            raise InputError(f"the gemv layout needs K % {K_MULTIPLE} == 0 (this weight is {n}x{k})")
-        groups = weight.detach().reshape(n, k // 4, 4)
-        nonzero = groups != 0
-        if (nonzero.sum(-1) > 2).any():
-            raise InputError("the weight is not 2:4: some group of four along K has more than two non-zeros")
-        # keep the non-zeros, then the lowest positions, so every group has exactly two entries
-        preference = nonzero.to(torch.int8) * 4 + torch.arange(3, -1, -1, dtype=torch.int8, device=weight.device)
-        positions = preference.topk(2, dim=-1).indices.sort(dim=-1).values
-        values = groups.gather(-1, positions).reshape(n, k // 2).contiguous()
-        codes = (positions[..., 0] | (positions[..., 1] << 2)).reshape(n, k // 16, 4).to(torch.int32)
-        bits = sum(codes[..., g] << (4 * g) for g in range(4))
+        values, bits = _kept_pairs(weight, "gemv")
         indices = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).contiguous()
-        return cls(values, indices, n, k)
-
-    @classmethod
-    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "Sparse24GemvWeight":
-        """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
-        cls._check(weight)
-        packed = cls.pack(weight)
-        table = dispatch(Family.GEMV_SM90_SPARSE24, weight.dtype, *weight.shape)
-        runtime.ensure([launch.spec for _, launch in table], progress=progress)
-        packed.kernels = dispatch_string(table)
-        return packed
+        return cls(values.contiguous(), indices, *weight.shape)
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly (torch ops: every value goes back to its position)."""
-        n, k = self.out_features, self.in_features
-        bits = self.metadata.to(torch.int32) & 0xFFFF
-        codes = torch.stack([(bits >> (4 * g)) & 0xF for g in range(4)], dim=-1).reshape(n, k // 4)
-        positions = torch.stack([codes & 3, codes >> 2], dim=-1).long()
-        dense = self.values.new_zeros(n, k // 4, 4)
-        dense.scatter_(-1, positions, self.values.reshape(n, k // 4, 2))
-        return dense.reshape(n, k)
+        return _dense_from_pairs(self.values, self.metadata.to(torch.int64) & 0xFFFF, self.out_features,
+                                 self.in_features)
 
 
 #: the tensor-core small-batch layout's unit: 16 output features x 64 inputs (512 kept values, 32 words)
@@ -347,52 +370,34 @@ _PADDING_CODES = 0x4444
 
 
 @dataclass
-class Sparse24MmaWeight(KernelWeight):
+class Sparse24MmaWeight(SmallBatchWeight):
     """A 2:4 weight in the layout of the tensor-core small-batch kernels
-    (templates/gemv_mma_sm90_sparse24, which describes it): units of 16 output features x 64 inputs, zero-padded to whole units.
+    (templates/gemv_mma_sm90_sparse24, which describes it): units of 16 output features x 64
+    inputs, zero-padded to whole units.
     ``values`` [ceil(N/16), ceil(K/64), 512] holds each unit's kept values in the order of the
     sparse tensor cores' A fragments (8 per lane and 32-input half); ``metadata``
     [ceil(N/16), ceil(K/64), 32] int32 a word per lane, two rows' 16-bit metadata (each group
     of four's two positions, 2 bits each) for one 16-input piece."""
 
-    spec = NM_2_4
+    family = Family.GEMV_MMA_SM90_SPARSE24
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24MmaWeight":
         """The layout alone (any device): exact for a weight with at most two non-zeros per
         group of four along K."""
         n, k = weight.shape
-        if k % K_MULTIPLE:
-            raise InputError(f"the small-batch layout needs K % {K_MULTIPLE} == 0 (this weight is {n}x{k})")
-        groups = weight.detach().reshape(n, k // 4, 4)
-        nonzero = groups != 0
-        if (nonzero.sum(-1) > 2).any():
-            raise InputError("the weight is not 2:4: some group of four along K has more than two non-zeros")
-        # keep the non-zeros, then the lowest positions, so every group has exactly two entries
-        preference = nonzero.to(torch.int8) * 4 + torch.arange(3, -1, -1, dtype=torch.int8, device=weight.device)
-        positions = preference.topk(2, dim=-1).indices.sort(dim=-1).values
-        codes = (positions[..., 0] | (positions[..., 1] << 2)).reshape(n, k // 16, 4).to(torch.int64)
+        kept, codes = _kept_pairs(weight, "small-batch")
         tiles, units = -(-n // MMA_UNIT_ROWS), -(-k // MMA_UNIT_COLUMNS)
         values = weight.new_zeros(tiles * 16, units * 32)
-        values[:n, :k // 2] = groups.gather(-1, positions).reshape(n, k // 2)
+        values[:n, :k // 2] = kept
         bits = torch.full((tiles * 16, units * 4), _PADDING_CODES, dtype=torch.int64, device=weight.device)
-        bits[:n, :k // 16] = sum(codes[..., g] << (4 * g) for g in range(4))
+        bits[:n, :k // 16] = codes
         # (unit row, row // 8, g, unit, half, column // 8, t, column % 2) -> lane 4g + t's 8 values
         values = values.reshape(tiles, 2, 8, units, 2, 2, 4, 2).permute(0, 3, 4, 2, 6, 5, 1, 7)
         bits = bits.reshape(tiles, 2, 8, units, 2, 2)        # (unit row, row // 8, q, unit, half, piece)
         words = (bits[:, 0] | (bits[:, 1] << 16)).permute(0, 2, 1, 3, 4).reshape(tiles, units, 32)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
         return cls(values.reshape(tiles, units, 512).contiguous(), words.contiguous(), n, k)
-
-    @classmethod
-    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "Sparse24MmaWeight":
-        """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
-        cls._check(weight)
-        packed = cls.pack(weight)
-        table = dispatch(Family.GEMV_MMA_SM90_SPARSE24, weight.dtype, *weight.shape)
-        runtime.ensure([launch.spec for _, launch in table], progress=progress)
-        packed.kernels = dispatch_string(table)
-        return packed
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly (torch ops: every value goes back to its position)."""
@@ -402,12 +407,7 @@ class Sparse24MmaWeight(KernelWeight):
         values = values.reshape(tiles * 16, units * 32)[:n, :k // 2]
         words = self.metadata.to(torch.int64).reshape(tiles, units, 8, 2, 2).permute(0, 2, 1, 3, 4)
         bits = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], dim=1).reshape(tiles * 16, units * 4)
-        bits = bits[:n, :k // 16]
-        codes = torch.stack([(bits >> (4 * g)) & 0xF for g in range(4)], dim=-1).reshape(n, k // 4)
-        positions = torch.stack([codes & 3, codes >> 2], dim=-1)
-        dense = values.new_zeros(n, k // 4, 4)
-        dense.scatter_(-1, positions, values.reshape(n, k // 4, 2))
-        return dense.reshape(n, k)
+        return _dense_from_pairs(values, bits[:n, :k // 16], n, k)
 
 
 def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):

@@ -1,7 +1,8 @@
-"""The small-batch 2:4 kernels (templates/gemv_sm90_sparse24) on the GPU (skipped without a
-Hopper GPU and nvcc): every tiling against an fp64 reference at every M in 1..64, odd
-shapes, every activation, bias or none, poisoned outputs; the op and the compiled model on
-them."""
+"""The small-batch 2:4 kernels on the GPU (skipped without a Hopper GPU and nvcc), on CUDA
+cores (templates/gemv_sm90_sparse24) and on tensor cores (templates/gemv_mma_sm90_sparse24):
+every tiling against an fp64 reference at every M in 1..64 on an odd shape, every activation,
+bias or none, poisoned outputs; the op with transposed layouts and the compiled model at the
+batch each is planned for."""
 import pytest
 import torch
 import torch.nn as nn
@@ -13,19 +14,25 @@ from sparsecc.epilogue import ACTIVATION_CODES
 from conftest import TOLERANCE, kernels_of_24_sites, rel_error
 from test_gpu_kernels import pytestmark, reference, run_poisoned, sparse_weight  # noqa: F401  (the same skip)
 
-ODD = (264, 1040)       # N, K: not multiples of any block's rows
+ODD = (264, 1040)       # N, K: not multiples of any block's rows, nor of the tensor-core units (16 x 64)
+#: each kind: its packing, its tilings, a batch a site is planned for it at, what the plan says
+KINDS = {"cuda-cores": (gpu.Sparse24GemvWeight, gpu.gemv_candidates, 1, "small-batch kernel ("),
+         "tensor-cores": (gpu.Sparse24MmaWeight, gpu.mma_candidates, 4, "small-batch kernel on tensor cores")}
 #: what this module runs, compiled in one parallel build before the first test (conftest)
-KERNELS = [launch.spec for dtype in (torch.float16, torch.bfloat16) for launch in gpu.gemv_candidates(dtype)]
+KERNELS = [launch.spec for _, candidates, *_ in KINDS.values() for dtype in (torch.float16, torch.bfloat16)
+           for launch in candidates(dtype)]
 KERNELS += kernels_of_24_sites([(4096, 4096)], [torch.float16])
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_every_tiling_at_every_batch_size_up_to_64(dtype):
+def test_every_tiling_at_every_batch_size_up_to_64(kind, dtype):
+    packing, candidates, *_ = KINDS[kind]
     w = sparse_weight(*ODD, dtype)
-    packed = gpu.Sparse24GemvWeight.pack(w)
+    packed = packing.pack(w)
     bias = torch.randn(ODD[0], dtype=dtype, device="cuda")
     x_all = torch.randn(64, ODD[1], dtype=dtype, device="cuda")
-    for launch in gpu.gemv_candidates(dtype):
+    for launch in candidates(dtype):
         for m in range(1, 65):
             x = x_all[:m]
             y = run_poisoned(launch, packed.values, packed.metadata, x, bias, packed.out_features, "relu")
@@ -33,24 +40,26 @@ def test_every_tiling_at_every_batch_size_up_to_64(dtype):
             assert error < TOLERANCE[dtype], (launch.label, m, error)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("activation", list(ACTIVATION_CODES))
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_activations_and_bias_on_a_real_shape(activation, with_bias):
+def test_activations_and_bias_on_a_real_shape(kind, activation, with_bias):
     dtype = torch.float16
     w = sparse_weight(4096, 4096, dtype)
-    packed = gpu.Sparse24GemvWeight.from_dense(w)
+    packed = KINDS[kind][0].from_dense(w)
     bias = torch.randn(4096, dtype=dtype, device="cuda") if with_bias else None
-    for m in (1, 3, 16, 40):
+    for m in (1, 3, 8, 16, 40):
         x = torch.randn(m, 4096, dtype=dtype, device="cuda")
         got = gpu.linear_kernel(x, packed.values, packed.metadata, 4096, 4096, bias, activation, False, False,
                                 packed.kernels)
         assert rel_error(got, reference(x, w, bias, activation)) < TOLERANCE[dtype], m
 
 
-def test_layouts_through_the_op_and_exact_unpacking():
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_through_the_op_and_exact_unpacking(kind):
     dtype = torch.bfloat16
     w = sparse_weight(1024, 4096, dtype)
-    packed = gpu.Sparse24GemvWeight.from_dense(w)
+    packed = KINDS[kind][0].from_dense(w)
     assert torch.equal(packed.to_dense(), w)
     xt = torch.randn(4096, 5, dtype=dtype, device="cuda")
     got = gpu.linear_kernel(xt, packed.values, packed.metadata, 1024, 4096, None, "silu", True, True, packed.kernels)
@@ -58,16 +67,18 @@ def test_layouts_through_the_op_and_exact_unpacking():
     assert rel_error(got, reference(xt.t(), w, None, "silu").t()) < TOLERANCE[dtype]
 
 
-def test_compile_at_batch_one_uses_the_small_batch_kernels():
+@pytest.mark.parametrize("kind", KINDS)
+def test_compile_at_a_small_batch_uses_the_small_batch_kernels(kind):
+    _, _, batch, says = KINDS[kind]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2048, 8192), nn.SiLU(), nn.Linear(8192, 2048)).half().cuda().eval()
     with torch.no_grad():
         for layer in (model[0], model[2]):
             layer.weight.copy_(sparse_weight(*layer.weight.shape, torch.float16, seed=layer.weight.shape[0]))
-    x = torch.randn(1, 2048, dtype=torch.float16, device="cuda")
+    x = torch.randn(batch, 2048, dtype=torch.float16, device="cuda")
     compiled = sparsecc.compile(model, x, formats=("2:4",))
-    assert all("small-batch" in site.reason for site in compiled.sparsecc_plan)
+    assert all(says in site.reason for site in compiled.sparsecc_plan)
     with torch.no_grad():
-        for rows in (1, 7, 100):
+        for rows in (1, 4, 7, 100):
             fresh = torch.randn(rows, 2048, dtype=torch.float16, device="cuda")
             assert rel_error(compiled(fresh), model(fresh)) < 1e-2

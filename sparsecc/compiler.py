@@ -19,7 +19,7 @@ from .cost import CostModel, check_m_range
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
-from .gpu import GEMV_MAX_M, MMA_MAX_M, Sparse24GemvWeight, Sparse24MmaWeight
+from .gpu import SmallBatchWeight
 from .kernel_packing import pack_for_kernels
 from .passes import find_linear, fuse_epilogue, splice
 from .plan import Candidate, Plan, SitePlan
@@ -229,12 +229,9 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
         try:
             entry = plan[site.name]
             packed = pack_for_kernels(site.weight, choice, entry.m_range[1] if entry.m_range else site.m, progress=True)
-            if isinstance(packed, Sparse24GemvWeight):
-                plan[site.name].reason += (f"; batch {site.m} <= {GEMV_MAX_M}: the memory-bound small-batch "
-                                           "kernel (larger batches run on it too, slower than on the GEMMs)")
-            elif isinstance(packed, Sparse24MmaWeight):
-                plan[site.name].reason += (f"; batch {site.m} <= {MMA_MAX_M}: the memory-bound small-batch kernel "
-                                           "on tensor cores (larger batches run on it too, slower than on the GEMMs)")
+            if isinstance(packed, SmallBatchWeight):
+                plan[site.name].reason += (f"; batch {site.m} <= {packed.max_m}: the memory-bound {packed.kernel} "
+                                           "(larger batches run on it too, slower than on the GEMMs)")
             return packed
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":

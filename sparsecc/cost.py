@@ -38,6 +38,7 @@ import torch
 
 from . import calibration as calib
 from .analysis import WeightStats
+from .codegen import Family
 from .errors import InputError, SparseccError
 from .formats import DENSE, NM_2_4, FormatSpec
 
@@ -81,6 +82,10 @@ TIMING_TRIES = 4
 CLOSE_CALL = (0.7, 1.25)
 #: ... at most this many more times, each candidate keeping its fastest
 CLOSE_CALL_RETIMES = 2
+
+#: the implementation (calibration.IMPLS) of a 2:4 site on each small-batch family, or on the GEMMs
+_SPARSE24_IMPL = {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
+                  None: "sparse24-gemm"}
 
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
@@ -308,10 +313,8 @@ class CostModel:
         if spec.kind == "nm":
             if not self.uses_kernel(stats, spec):
                 return "nm-unpack"
-            from .codegen import Family
             from .gpu import small_batch_family
-            return {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
-                    None: "sparse24-gemm"}[small_batch_family(planned_m)]
+            return _SPARSE24_IMPL[small_batch_family(planned_m)]
         if spec.kind == "bsr" and self.uses_kernel(stats, spec):
             return "bsr-kernel"
         if spec.kind == "bsr":
@@ -330,12 +333,10 @@ class CostModel:
         if spec.kind == "bsr":
             fields.update(block=spec.block, block_density=round(stats.block_density[spec.block], 6))
         if impl == "sparse24-gemm" and stats.dtype in ("float16", "bfloat16"):
-            from .codegen import Family
             from .gpu import kernel_tile
             fields["tile"] = kernel_tile(Family.SM90_SPARSE24, getattr(torch, stats.dtype), n_rows, k, m)
         if impl == "bsr-kernel":         # the site's dispatch table picks the kernel by the call's M
             from .bsr_kernel import kernel_for_rows
-            from .codegen import Family
             family, tile_m = kernel_for_rows(m)
             fields.update(impl="bsr-kernel" if family is Family.BSR_SM90_WGMMA else "bsr-kernel-small",
                           tile=(spec.block[0], tile_m))

@@ -324,10 +324,8 @@ class SmallBatchWeight(KernelWeight):
 
     spec = NM_2_4
     family: ClassVar[Family]
-
-    @classmethod
-    def pack(cls, weight: torch.Tensor) -> "SmallBatchWeight":
-        raise NotImplementedError
+    max_m: ClassVar[int]         # the largest batch a site is packed for this family at
+    kernel: ClassVar[str]        # what the plan's reason calls the kernel
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "SmallBatchWeight":
@@ -347,7 +345,7 @@ class Sparse24GemvWeight(SmallBatchWeight):
     ``metadata`` [N, K/16] int16 holding 16 bits per four groups (each group's two positions,
     2 bits each)."""
 
-    family = Family.GEMV_SM90_SPARSE24
+    family, max_m, kernel = Family.GEMV_SM90_SPARSE24, GEMV_MAX_M, "small-batch kernel"
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24GemvWeight":
@@ -379,7 +377,7 @@ class Sparse24MmaWeight(SmallBatchWeight):
     [ceil(N/16), ceil(K/64), 32] int32 a word per lane, two rows' 16-bit metadata (each group
     of four's two positions, 2 bits each) for one 16-input piece."""
 
-    family = Family.GEMV_MMA_SM90_SPARSE24
+    family, max_m, kernel = Family.GEMV_MMA_SM90_SPARSE24, MMA_MAX_M, "small-batch kernel on tensor cores"
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "Sparse24MmaWeight":
@@ -410,17 +408,18 @@ class Sparse24MmaWeight(SmallBatchWeight):
         return _dense_from_pairs(values, bits[:n, :k // 16], n, k)
 
 
+#: each small-batch family's packing
+SMALL_BATCH_WEIGHTS = {cls.family: cls for cls in (Sparse24GemvWeight, Sparse24MmaWeight)}
+
+
 def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
     """The 2:4 layout for a site that runs with ``m`` rows: the small-batch kernels up to
     :data:`MMA_MAX_M` (memory-bound: they read 9/16 of the dense bytes; CUDA cores up to
     :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs above. Every layout serves
     every batch size; each is fastest in its own range."""
     small = small_batch_family(m)
-    if small is Family.GEMV_SM90_SPARSE24:
-        return Sparse24GemvWeight.from_dense(weight, progress=progress)
-    if small is Family.GEMV_MMA_SM90_SPARSE24:
-        return Sparse24MmaWeight.from_dense(weight, progress=progress)
-    return CutlassSparse24Weight.from_dense(weight, progress=progress)
+    packing = SMALL_BATCH_WEIGHTS[small] if small is not None else CutlassSparse24Weight
+    return packing.from_dense(weight, progress=progress)
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""The wgmma BSR kernel at large batch (issue: BSR/CSR kernels): every rows-of-x tile it takes
+(64, 128, 256), NaN/Inf pass off, against cuBLAS + ReLU, 64x64 blocks at density 0.5 / 0.25 /
+0.1, M = 8192, fp16, graph replay in one process. ``--previous DIR`` also times an earlier
+build of the kernel (DIR/tile<T>.so, same entry points) on the same data. Writes
+bsr_large_m.json to $OUT. With ``--ncu`` it runs one launch of one configuration (for Nsight
+Compute) and nothing else.
+
+    OUT=/tmp python benchmarks/lab/bsr_large_m.py [--previous DIR] [--ncu N K DENSITY TILE_M]
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import rel_err, time_graph_us  # noqa: E402
+from kernels_bsr import block_weight  # noqa: E402
+
+from sparsecc import gpu, runtime  # noqa: E402
+from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
+from sparsecc.codegen import Family, KernelSpec  # noqa: E402
+from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (768, 3072), (3072, 768)]
+DENSITIES = [0.5, 0.25, 0.1]
+TILES = [64, 128, 256]
+M = 8192
+
+
+def kernels(tile_ms, block=64, dtype="float16"):
+    specs = {t: KernelSpec(Family.BSR_SM90_WGMMA, dtype, tile=(block, block, t)) for t in tile_ms}
+    runtime.ensure(list(specs.values()), progress=False)
+    return {t: gpu.dispatch_string([(0, gpu.Launch(s))], UNCHECKED_NONFINITE) for t, s in specs.items()}
+
+
+def previous_kernels(folder, block=64, dtype="float16"):
+    """The earlier build's kernels, loaded beside the current ones (each library keeps its own symbols)."""
+    found = {}
+    for t in TILES:
+        path = os.path.join(folder, f"tile{t}.so")
+        if os.path.isfile(path):
+            found[t] = runtime.Kernel(KernelSpec(Family.BSR_SM90_WGMMA, dtype, tile=(block, block, t)), path)
+    return found
+
+
+def point(n, k, density, tables, gen, m=M, previous=None):
+    w = block_weight(n, k, 64, density, torch.float16, gen)
+    bias = torch.randn(n, generator=gen).half().cuda()
+    x = torch.randn(m, k, generator=gen).half().cuda()
+    packed = BsrKernelWeight.pack(w, (64, 64))
+    values, meta = packed.values.cuda(), packed.metadata.cuda()
+    ref = torch.relu(x.float() @ w.float().t() + bias.float())
+    calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
+    for t, table in tables.items():
+        calls[f"tile{t}"] = (lambda table=table: gpu.linear_kernel(x, values, meta, n, k, bias, "relu", False, False,
+                                                                   table))
+    y = torch.empty(m, n, dtype=x.dtype, device="cuda")
+    for t, kernel in (previous or {}).items():
+        def run(kernel=kernel):
+            kernel.gemm(values.data_ptr(), meta.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
+                        ACTIVATION_CODES["relu"] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream)
+            return y
+        calls[f"previous{t}"] = run
+    return calls, ref
+
+
+def main():
+    gen = torch.Generator().manual_seed(0)
+    if sys.argv[1:2] == ["--ncu"]:
+        n, k, density, tile = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+        calls, _ = point(n, k, density, kernels([tile]), gen)
+        calls[f"tile{tile}"]()
+        torch.cuda.synchronize()
+        return
+    tables = kernels(TILES)
+    previous = previous_kernels(sys.argv[2]) if sys.argv[1:2] == ["--previous"] else {}
+    rows = []
+    for n, k in SHAPES:
+        for density in DENSITIES:
+            calls, ref = point(n, k, density, tables, gen, previous=previous)
+            row = {"N": n, "K": k, "M": M, "density": density}
+            for name, fn in calls.items():
+                row[name + "_err"] = rel_err(fn(), ref)
+                row[name] = time_graph_us(fn)
+            row["speedups"] = {name: round(row["cublas"] / row[name], 2) for name in calls if name != "cublas"}
+            rows.append(row)
+            print(n, k, density, f"cublas {row['cublas']:.1f}", row["speedups"],
+                  "errors", {name: f"{row[name + '_err']:.1e}" for name in calls}, flush=True)
+    json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "bsr_large_m.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,10 +57,7 @@ def unmasked_attention(model: torch.nn.Module) -> torch.nn.Module:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     AttentionInterface.register(UNMASKED_SDPA, sdpa_attention_forward)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = UNMASKED_SDPA
+    model.config._attn_implementation = UNMASKED_SDPA      # the layers hold this same config
     return model
 
 

@@ -7,6 +7,7 @@ Compute) and nothing else.
 
     OUT=/tmp python benchmarks/lab/bsr_large_m.py [--previous DIR] [--ncu N K DENSITY TILE_M]
 """
+import argparse
 import json
 import os
 import sys
@@ -27,29 +28,30 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (768, 3072), (3072, 768)]
 DENSITIES = [0.5, 0.25, 0.1]
 TILES = [64, 128, 256]
 M = 8192
+BLOCK = 64
 
 
-def kernels(tile_ms, block=64, dtype="float16"):
-    specs = {t: KernelSpec(Family.BSR_SM90_WGMMA, dtype, tile=(block, block, t)) for t in tile_ms}
-    runtime.ensure(list(specs.values()), progress=False)
-    return {t: gpu.dispatch_string([(0, gpu.Launch(s))], UNCHECKED_NONFINITE) for t, s in specs.items()}
+def spec(tile_m):
+    return KernelSpec(Family.BSR_SM90_WGMMA, "float16", tile=(BLOCK, BLOCK, tile_m))
 
 
-def previous_kernels(folder, block=64, dtype="float16"):
+def kernels(tile_ms):
+    """The dispatch table (NaN/Inf pass off) of the current kernel at each rows-of-x tile."""
+    runtime.ensure([spec(t) for t in tile_ms], progress=False)
+    return {t: gpu.dispatch_string([(0, gpu.Launch(spec(t)))], UNCHECKED_NONFINITE) for t in tile_ms}
+
+
+def previous_kernels(folder):
     """The earlier build's kernels, loaded beside the current ones (each library keeps its own symbols)."""
-    found = {}
-    for t in TILES:
-        path = os.path.join(folder, f"tile{t}.so")
-        if os.path.isfile(path):
-            found[t] = runtime.Kernel(KernelSpec(Family.BSR_SM90_WGMMA, dtype, tile=(block, block, t)), path)
-    return found
+    paths = {t: os.path.join(folder, f"tile{t}.so") for t in TILES}
+    return {t: runtime.Kernel(spec(t), path) for t, path in paths.items() if os.path.isfile(path)}
 
 
 def point(n, k, density, tables, gen, m=M, previous=None):
-    w = block_weight(n, k, 64, density, torch.float16, gen)
+    w = block_weight(n, k, BLOCK, density, torch.float16, gen)
     bias = torch.randn(n, generator=gen).half().cuda()
     x = torch.randn(m, k, generator=gen).half().cuda()
-    packed = BsrKernelWeight.pack(w, (64, 64))
+    packed = BsrKernelWeight.pack(w, (BLOCK, BLOCK))
     values, meta = packed.values.cuda(), packed.metadata.cuda()
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
     calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
@@ -67,15 +69,20 @@ def point(n, k, density, tables, gen, m=M, previous=None):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--previous", metavar="DIR", help="also time DIR/tile<T>.so, an earlier build")
+    parser.add_argument("--ncu", nargs=4, metavar=("N", "K", "DENSITY", "TILE_M"),
+                        help="run one launch of this configuration and nothing else")
+    args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    if sys.argv[1:2] == ["--ncu"]:
-        n, k, density, tile = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+    if args.ncu:
+        n, k, density, tile = int(args.ncu[0]), int(args.ncu[1]), float(args.ncu[2]), int(args.ncu[3])
         calls, _ = point(n, k, density, kernels([tile]), gen)
         calls[f"tile{tile}"]()
         torch.cuda.synchronize()
         return
     tables = kernels(TILES)
-    previous = previous_kernels(sys.argv[2]) if sys.argv[1:2] == ["--previous"] else {}
+    previous = previous_kernels(args.previous) if args.previous else {}
     rows = []
     for n, k in SHAPES:
         for density in DENSITIES:

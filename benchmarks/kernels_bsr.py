@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
                     for m in args.ms:
                         result["rows"] += measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name,
                                                         gen, not args.no_triton)
-    path = write(result)
+        path = write(result)                 # after every dtype: a time limit loses nothing done
     plot(result, path.with_suffix(".png"))
     print_summary(result)
     print("wrote", path)

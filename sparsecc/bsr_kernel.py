@@ -9,7 +9,12 @@ packed layout is the portable BSR one with the block rows ordered for balance:
   box of a ``[blocks * h, w]`` view);
 - ``metadata`` (int32): ``row_ptr [R + 1]`` (stored blocks before each block row),
   ``order [R]`` (block rows by decreasing length: the kernels start the longest first, a
-  greedy balance across SMs), ``col [blocks]`` (the block column of each stored block).
+  greedy balance across SMs), ``col [blocks]`` (the block column of each stored block),
+  then the site's non-finite guard (:mod:`sparsecc.nonfinite_guard`).
+
+Where the wgmma kernel runs a site, a block column that no block row stores gets a block of
+zeros (``cover_columns``): the product's sums then meet every input, so the NaN/Inf pass reads
+no part of x unless a sum was not finite.
 
 Packing is torch ops on any device and round-trips exactly; :meth:`BsrKernelWeight.from_dense`
 also loads the kernels of the site's dispatch table (one kernel per batch-size bucket).
@@ -25,6 +30,7 @@ from .codegen import BSR_BLOCK_SIDES, Family, KernelSpec
 from .errors import InputError
 from .formats import INDEX_DTYPE, BSRWeight, FormatSpec
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string, nonfinite_flags
+from .nonfinite_guard import cover_block_columns, guard_words
 
 #: the kernel for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> family, rows of x
 #: per CTA): the streaming kernel (CUDA cores, memory-bound) for one row, the wgmma kernel
@@ -80,27 +86,37 @@ class BsrKernelWeight(KernelWeight):
 
     @property
     def col(self) -> torch.Tensor:
-        return self.metadata[2 * self.block_rows + 1:]
+        start = 2 * self.block_rows + 1
+        return self.metadata[start: start + self.values.shape[0]]
+
+    @property
+    def guard(self) -> torch.Tensor:
+        return self.metadata[2 * self.block_rows + 1 + self.values.shape[0]:]
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, block: tuple[int, int]) -> "BsrKernelWeight":
+    def pack(cls, weight: torch.Tensor, block: tuple[int, int], *, cover_columns: bool = True) -> "BsrKernelWeight":
         """The layout alone (any device, any dtype): exact for every weight whose shape the
-        block divides; a block is stored if any of its entries is non-zero."""
-        portable = BSRWeight.from_dense(weight, block)       # crow, col, values [blocks, h, w] in row order
+        block divides; a block is stored if any of its entries is non-zero, or (cover_columns)
+        if it is the block of zeros that covers an empty block column."""
+        portable = BSRWeight.from_dense(weight, block, stored=cover_block_columns if cover_columns else None)
         lengths = portable.crow[1:] - portable.crow[:-1]
         order = torch.sort(lengths, descending=True, stable=True).indices
-        metadata = torch.cat([portable.crow, order.to(INDEX_DTYPE), portable.col])
+        unmet = torch.ones(portable.in_features // block[1], dtype=torch.bool, device=portable.col.device)
+        unmet[portable.col.long()] = False
+        guard = guard_words(unmet.repeat_interleave(block[1]))
+        metadata = torch.cat([portable.crow, order.to(INDEX_DTYPE), portable.col, guard])
         n, k = portable.shape
         return cls(portable.values, metadata, n, k, block=tuple(block))
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, block: tuple[int, int], *, progress: bool = False) -> "BsrKernelWeight":
-        """Pack a [N, K] CUDA weight and load the kernels of its dispatch table."""
+    def from_dense(cls, weight: torch.Tensor, block: tuple[int, int], *, cover_columns: bool = True,
+                   progress: bool = False) -> "BsrKernelWeight":
+        """Pack a [N, K] CUDA weight (see :meth:`pack`) and load the kernels of its dispatch table."""
         cls._check(weight)
         reason = block_supported(tuple(block), weight.dtype)
         if reason:
             raise InputError(reason)
-        packed = cls.pack(weight, tuple(block))
+        packed = cls.pack(weight, tuple(block), cover_columns=cover_columns)
         table = dispatch(weight.dtype, tuple(block))
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         packed.kernels = dispatch_string(table, nonfinite_flags())

@@ -118,10 +118,12 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     if w.impl == "bsr-kernel":
         # stored blocks only, x's rows padded to the tile. Loads bound the kernel (TMA): every
         # block row gathers its columns of x again, and every tile of x's rows reads the stored
-        # blocks again; the NaN pass reads x once more
+        # blocks again. A block column no block row stores (each with probability
+        # (1 - density) ** block rows, blocks placed at random) gets a block of zeros
         h, bw = w.block or (32, 32)
         tile_m = (w.tile or (h, 128))[1]
-        stored = (w.block_density if w.block_density is not None else w.density) * n * k
+        density = w.block_density if w.block_density is not None else w.density
+        stored = density * n * k + (1.0 - density) ** math.ceil(n / h) * k * h
         tiles = math.ceil(m / tile_m)
         gathered = m * stored / h * e + tiles * stored * e
         # an MMA narrower than 64 outputs (the block's rows) issues as slowly as a 64-wide one
@@ -129,7 +131,7 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
         # one CTA per block row and tile of x: with fewer CTAs than SMs, the idle SMs' share of
         # the bandwidth is lost (counted as more bytes)
         idle = max(1.0, sms / (math.ceil(n / h) * tiles))
-        return 2.0 * tiles * tile_m * stored * narrow, (gathered + m * n * e + m * k * e) * idle
+        return 2.0 * tiles * tile_m * stored * narrow, (gathered + m * n * e) * idle
     if w.impl == "csr-kernel":
         # every tile multiplied densely (x's rows padded to the tile, K to 64), 4 bytes per
         # stored entry read, x and y once

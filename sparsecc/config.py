@@ -14,8 +14,8 @@ change the environment at run time.
 | SPARSECC_KERNELS         | generated kernel directories to load from (``:``-separated) | none                     |
 | SPARSECC_LAUNCHER        | ``cpp`` (the C++ launch path) or ``python`` (the fallback)  | cpp                      |
 | SPARSECC_NONFINITE       | ``propagate``: NaN/Inf of x reach y as in dense F.linear;  | propagate                |
-|                          | ``unchecked``: 2:4 GEMM sites packed from now on skip that |                          |
-|                          | pass (faster; for inputs known to be finite)               |                          |
+|                          | ``unchecked``: 2:4 GEMM and BSR sites packed from now on   |                          |
+|                          | skip that pass (faster; for inputs known to be finite)     |                          |
 """
 from __future__ import annotations
 

@@ -220,7 +220,10 @@ class BSRWeight(PackedWeight):
         return (self.out_features, self.in_features)
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, block: tuple[int, int]) -> "BSRWeight":
+    def from_dense(cls, weight: torch.Tensor, block: tuple[int, int],
+                   stored=None) -> "BSRWeight":
+        """``weight`` in blocks of ``block``; ``stored(present)`` may add blocks to the [R, C]
+        mask of the blocks holding a non-zero (the added ones are stored as zeros)."""
         weight = _check_matrix(weight)
         h, w = block
         rows, cols = weight.shape
@@ -228,6 +231,11 @@ class BSRWeight(PackedWeight):
             raise FormatError(f"a {rows}x{cols} weight does not divide into {h}x{w} blocks")
         blocks = weight.reshape(rows // h, h, cols // w, w).transpose(1, 2)   # [R, C, h, w]
         present = blocks.ne(0).any(-1).any(-1)                                # [R, C]
+        if stored is not None:
+            wanted = stored(present)
+            if (present & ~wanted).any():
+                raise FormatError("stored() dropped a block holding a non-zero")
+            present = wanted
         crow = torch.zeros(rows // h + 1, dtype=INDEX_DTYPE, device=weight.device)
         crow[1:] = present.sum(1).cumsum(0)
         block_row, block_col = present.nonzero(as_tuple=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .bsr_kernel import BsrKernelWeight
+from .bsr_kernel import BsrKernelWeight, kernel_for_rows
+from .codegen import Family
 from .csr_kernel import CsrKernelWeight
 from .errors import InputError
 from .formats import NM_2_4, FormatSpec, PackedWeight
@@ -18,7 +19,10 @@ def pack_for_kernels(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, p
     if spec == NM_2_4:
         return pack_24_for(weight, m, progress=progress)
     if spec.kind == "bsr" and spec.block is not None:
-        return BsrKernelWeight.from_dense(weight, spec.block, progress=progress)
+        # blocks of zeros cover the empty block columns where the wgmma kernel runs the site
+        # (its NaN pass then reads no part of x); the streaming kernel (M = 1) reads only stored bytes
+        wgmma = m is None or kernel_for_rows(m)[0] is Family.BSR_SM90_WGMMA
+        return BsrKernelWeight.from_dense(weight, spec.block, cover_columns=wgmma, progress=progress)
     if spec.kind == "csr":
         return CsrKernelWeight.from_dense(weight, progress=progress)
     raise InputError(f"sparsecc has no kernel for {spec}")

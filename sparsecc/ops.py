@@ -29,7 +29,7 @@ What every op accepts (checked by :func:`_prepare`, the same for all four):
 - an unknown ``activation`` raises InputError.
 - NaN and infinities in ``x`` propagate exactly as in dense ``F.linear`` with the same
   weight, zeros included (``0 * NaN = NaN``): see :func:`_has_nonfinite`. The CUDA 2:4
-  kernels do the same on the GPU (templates/gemm_sm90_sparse24.cu.j2 says how).
+  and BSR kernels do the same on the GPU (:mod:`sparsecc.nonfinite_guard` says how).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ def test_pack_round_trips_and_stores_blocks_in_row_order(block, dtype, gen):
     h, w = block
     weight = block_sparse(6 * h, 9 * w, block, 0.35, gen, dtype)
     weight[2 * h:3 * h] = 0                                     # an empty block row
-    packed = BsrKernelWeight.pack(weight, block)
+    packed = BsrKernelWeight.pack(weight, block, cover_columns=False)
     assert torch.equal(packed.to_dense(), weight)
     row_ptr, col = packed.row_ptr.long(), packed.col.long()
     assert row_ptr[3] == row_ptr[2]
@@ -46,8 +46,10 @@ def test_order_runs_the_longest_block_rows_first(gen):
 
 
 def test_empty_and_full_weights(gen):
-    empty = BsrKernelWeight.pack(torch.zeros(64, 32), (32, 32))
+    empty = BsrKernelWeight.pack(torch.zeros(64, 32), (32, 32), cover_columns=False)
     assert empty.values.numel() == 0 and torch.equal(empty.to_dense(), torch.zeros(64, 32))
+    covered = BsrKernelWeight.pack(torch.zeros(64, 64), (32, 32))    # a block of zeros per block column
+    assert covered.values.shape[0] == 2 and torch.equal(covered.to_dense(), torch.zeros(64, 64))
     full = torch.randn(64, 64, generator=gen)
     assert torch.equal(BsrKernelWeight.pack(full, (32, 16)).to_dense(), full)
 

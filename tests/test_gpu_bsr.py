@@ -14,6 +14,7 @@ from sparsecc import gpu, runtime
 from sparsecc.bsr_kernel import BsrKernelWeight, dispatch
 from sparsecc.codegen import Family, KernelSpec
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
+from sparsecc.nonfinite_guard import groups_of
 
 from conftest import TOLERANCE, block_sparse, rel_error, replays_like_eager
 from test_bad_input import assert_same_nonfinite, ieee_reference
@@ -188,14 +189,20 @@ def test_every_activation_with_and_without_bias(activation, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_empty_and_fully_dense_weights(dtype):
-    """No stored block at all: y = act(bias) everywhere; every block stored: the dense product."""
+    """No stored block at all (or only the blocks of zeros covering the block columns): y =
+    act(bias) everywhere, and NaN in a row where x has one; every block stored: the dense product."""
     gen = torch.Generator().manual_seed(4)
     bias = torch.randn(128, generator=gen).to(dtype).cuda()
     x = torch.randn(300, 256, generator=gen).to(dtype).cuda()
     empty = torch.zeros(128, 256, dtype=dtype, device="cuda")
-    packed = BsrKernelWeight.from_dense(empty, (64, 64))
-    assert packed.values.numel() == 0
-    assert torch.equal(run(packed, x, bias, "gelu"), reference(x, empty, bias, "gelu").to(dtype).expand(300, 128))
+    for cover in (False, True):
+        packed = BsrKernelWeight.from_dense(empty, (64, 64), cover_columns=cover)
+        assert packed.values.shape[0] == (4 if cover else 0)
+        assert torch.equal(run(packed, x, bias, "gelu"), reference(x, empty, bias, "gelu").to(dtype).expand(300, 128))
+        bad = x.clone()
+        bad[5, 200] = float("nan")
+        got = run(packed, bad, bias, "gelu")
+        assert got[5].isnan().all() and torch.equal(got[6:], run(packed, x, bias, "gelu")[6:])
     full = weight((64, 64), 2, 4, 1.0, dtype, empty_rows=())
     packed = BsrKernelWeight.from_dense(full, (64, 64))
     assert packed.values.numel() == full.numel()
@@ -237,6 +244,49 @@ def test_nan_and_inf_propagate_like_dense(dtype):
     unchecked.kernels = gpu.dispatch_string(dispatch(dtype, (h, w)), UNCHECKED_NONFINITE)
     skipped = run(unchecked, x, bias, "relu")
     assert torch.equal(skipped[0], got[0]) and skipped[3].isnan().sum() < got[3].isnan().sum()
+
+
+@pytest.mark.parametrize("cover", [True, False], ids=["covered", "listed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_guard_reads_unmet_columns_and_is_lowered_after_every_call(dtype, cover):
+    """5000 rows of x (more than the pass's warps: each takes several) on a weight with a
+    block column no block row stores, covered by a block of zeros or listed in the guard (the
+    pass then reads it on every call): an infinity there and a NaN in a stored block column give
+    NaN as dense, eagerly and on graph replays; the next call with finite x is clean; the guard
+    is lowered after each."""
+    h, w = 32, 32
+    dense = weight((h, w), 6, 8, 0.5, dtype, seed=15)
+    dense[:, 2 * w:3 * w] = 0
+    packed = BsrKernelWeight.from_dense(dense, (h, w), cover_columns=cover)
+    listed = set(groups_of(packed.guard).tolist())
+    assert not listed if cover else set(range(2 * w // 8, 3 * w // 8)) <= listed
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(5000, dense.shape[1], generator=gen).to(dtype).cuda()
+    clean = run(packed, x, None, "none")
+    assert rel_error(clean, reference(x, dense, None, "none")) <= TOLERANCE[dtype]
+    suspect = [17, 4999]
+    bad = x.clone()
+    bad[17, 2 * w + 3] = float("inf")                  # the unmet block column: NaN in every output
+    bad[4999, 5] = float("nan")                         # a stored column: the product raises the guard
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    with torch.cuda.graph(graph):
+        captured = run(packed, static_x, None, "none")
+    for given in (bad, x, bad, x):
+        got = run(packed, given, None, "none")
+        assert packed.guard[:2].tolist() == [0, 0]
+        static_x.copy_(given)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.isnan(), got.isnan()) and torch.equal(captured.nan_to_num(), got.nan_to_num())
+        if given is bad:
+            assert got[17].isnan().all() and got[4999].isnan().any()
+            assert_same_nonfinite(got[suspect], ieee_reference(bad[suspect], dense, None, "none").to(dtype), dtype)
+            rest = torch.ones(5000, dtype=torch.bool)
+            rest[suspect] = False
+            assert torch.equal(got[rest], clean[rest])
+        else:
+            assert torch.equal(got, clean)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

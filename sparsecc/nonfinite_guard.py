@@ -1,0 +1,66 @@
+"""The guard that keeps NaN and Inf exact after the wgmma BSR kernel at almost no cost.
+
+Dense ``F.linear`` multiplies every input by every weight, so a NaN or an infinity of ``x``
+makes NaN in every output whose weight is zero there (``0 * NaN = 0 * Inf = NaN``). The BSR
+kernels skip the blocks they do not store, so a pass after the product stores the NaN dense
+would have made. Reading all of ``x`` for that costs as much as a large-batch sparse product
+itself, so the pass reads it only when it must:
+
+- a non-finite input that meets a *stored* block (its zeros included) makes that output's sum
+  non-finite: the product's epilogue then raises the site's guard flag, and the pass tests
+  every input;
+- an input that no stored block meets (a block column no block row stores) changes no sum:
+  the guard lists those inputs, in groups of :data:`GROUP`, and the pass tests them on every
+  call. :func:`cover_block_columns` stores a block of zeros in each such column instead, so
+  that there is nothing to list (the default where the wgmma kernel runs the site).
+
+With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
+a few int32 words kept after a site's metadata (templates/common.j2, ``guard_helpers``):
+``[flag, finished CTAs of the pass, group count, group...]``; the pass's last CTA lowers the
+flag for the next call. A site's guard belongs to its packed weight, so one packed weight must
+not run on two CUDA streams at the same time (as with any buffer a kernel writes).
+
+The 2:4 GEMMs keep a pass that reads all of ``x``: raising the flag from CUTLASS's epilogue
+made the GEMM itself slower than the pass it saved (``benchmarks/lab/README.md``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InputError
+
+#: inputs per listed group: one 16-byte load of 16-bit x
+GROUP = 8
+#: the words before the groups: flag, finished CTAs, group count
+HEADER_WORDS = 3
+
+
+def guard_words(unmet: torch.Tensor) -> torch.Tensor:
+    """The guard (int32, flag lowered) of a site whose product meets no stored weight at the
+    inputs where ``unmet`` (bool, one per input) is True: the groups holding one are listed."""
+    k = unmet.numel()
+    if k % GROUP:
+        raise InputError(f"the non-finite guard needs the inputs in groups of {GROUP} (this weight has {k})")
+    groups = unmet.reshape(k // GROUP, GROUP).any(dim=1).nonzero().flatten().to(torch.int32)
+    header = torch.tensor([0, 0, groups.numel()], dtype=torch.int32, device=unmet.device)
+    return torch.cat([header, groups])
+
+
+def groups_of(guard: torch.Tensor) -> torch.Tensor:
+    """The listed groups of a guard made by :func:`guard_words`."""
+    return guard[HEADER_WORDS: HEADER_WORDS + int(guard[HEADER_WORDS - 1])]
+
+
+def cover_block_columns(present: torch.Tensor) -> torch.Tensor:
+    """``present`` ([R, C] bool, the stored blocks) with a block added in every block column
+    that has none, each in the block row with the fewest blocks at that point (the first of
+    equals): the kernel's sums then meet every input, and the block rows stay balanced."""
+    present = present.clone()
+    if present.shape[0] == 0:
+        return present
+    lengths = present.sum(dim=1)
+    for column in (~present.any(dim=0)).nonzero().flatten().tolist():
+        row = int(lengths.argmin())
+        present[row, column] = True
+        lengths[row] += 1
+    return present

@@ -52,8 +52,9 @@ def fetch_attr(gm: nn.Module, qualname: str):
 
 
 class Constants:
-    """Resolves graph nodes that are constant tensors: ``get_attr`` nodes, and placeholders
-    that the caller knows to be parameters (Dynamo lifts parameters to inputs)."""
+    """Resolves graph nodes that are constant tensors: ``get_attr`` nodes, placeholders that
+    the caller knows to be parameters (Dynamo lifts parameters to inputs), and ``torch.flatten``
+    of either (named as the tensor it views)."""
 
     def __init__(self, gm: fx.GraphModule, placeholders: dict[str, tuple[str, torch.Tensor]] | None = None):
         self.gm = gm
@@ -68,6 +69,10 @@ class Constants:
             return (node.target, value) if isinstance(value, torch.Tensor) else None
         if node.op == "placeholder" and node.target in self.placeholders:
             return self.placeholders[node.target]
+        if node.op == "call_function" and node.target is torch.flatten and not node.kwargs:
+            inner = self.tensor(node.args[0])          # a flattened constant (conv_as_linear's weight)
+            if inner is not None:
+                return inner[0], inner[1].flatten(*node.args[1:])
         return None
 
     def matrix(self, node) -> tuple[str, torch.Tensor, fx.Node, bool] | None:

@@ -30,7 +30,7 @@ from . import runtime
 from .compiler import analyze_sites, pack_sites, plan_sites
 from .cost import CostModel
 from .formats import FormatSpec
-from .passes import find_linear, fuse_epilogue, splice
+from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .plan import Plan
 
 log = logging.getLogger("sparsecc")
@@ -66,6 +66,7 @@ class SparseGraph:
         constants = {node.target: (node.target, value) for node, value in zip(placeholders, inputs)
                      if isinstance(value, nn.Parameter)}
         index_of = {node.target: i for i, node in enumerate(placeholders)}
+        conv_as_linear.run(gm, placeholders=constants)
         _propagate(gm, inputs)
         sites = find_linear.run(gm, placeholders=constants).sites
         fuse_epilogue.run(gm, placeholders=constants)

@@ -1,6 +1,6 @@
 """``sparsecc.compile`` and ``sparsecc.plan``: the pipeline of DESIGN.md, end to end.
 
-trace (fx, part by part if needed) -> find_linear -> fuse_epilogue -> analysis -> cost model
+trace (fx, part by part if needed) -> conv_as_linear -> find_linear -> fuse_epilogue -> analysis -> cost model
 (or a given plan) -> pack -> splice -> a module that computes what the model computed.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .formats import FormatSpec, pack
 from .gpu import SmallBatchWeight
 from .kernel_packing import pack_for_kernels
-from .passes import find_linear, fuse_epilogue, splice
+from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .plan import Candidate, Plan, SitePlan
 from .site import LinearSite
 
@@ -112,6 +112,8 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
     traced = tracing.trace(model, args, kwargs)
     sites: list[LinearSite] = []
     for part in traced.parts:
+        if conv_as_linear.run(part.gm).changed:
+            tracing.propagate_shapes(part)            # the new nodes' shapes (each site's M)
         sites += find_linear.run(part.gm, prefix=part.path).sites
         fuse_epilogue.run(part.gm)
     stats = analyze_sites(sites, allowed)

@@ -4,7 +4,8 @@
 models with data-dependent Python (Hugging Face models among them). When the whole model
 cannot be traced, each child module is tried in turn, recursively: the parts that trace
 become graphs, the rest stays Python and keeps calling them. Only modules that hold a
-2-D weight somewhere are visited. A module that cannot be traced and owns 2-D weights
+2-D weight (or a patch-embedding convolution, which sparsecc runs as a linear) somewhere are
+visited. A module that cannot be traced and owns 2-D weights
 directly (not through children) is reported, so the plan can say why they stay dense.
 
 The example inputs are run once through the eager model first, both to check that they fit
@@ -115,7 +116,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
     traced = Traced(parts=[], output=output)
     _trace_module(model, "", calls, traced)
     for part in traced.parts:
-        _propagate_shapes(part, model)
+        propagate_shapes(part)
     return traced
 
 
@@ -139,7 +140,11 @@ def _run_recording_inputs(model: nn.Module, args: tuple, kwargs: dict):
 
 
 def _holds_matrices(module: nn.Module) -> bool:
-    return any(p.dim() == 2 for p in module.parameters()) or any(b.dim() == 2 for b in module.buffers())
+    """Whether ``module`` holds a 2-D weight, or a convolution sparsecc runs as a linear
+    (passes/conv_as_linear: a patch embedding)."""
+    from .passes.conv_as_linear import is_patch_conv
+    return (any(p.dim() == 2 for p in module.parameters()) or any(b.dim() == 2 for b in module.buffers())
+            or any(is_patch_conv(m) for m in module.modules()))
 
 
 def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced) -> None:
@@ -175,7 +180,7 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None
     return dict(bound.arguments)
 
 
-def _propagate_shapes(part: TracedPart, model: nn.Module) -> None:
+def propagate_shapes(part: TracedPart) -> None:
     """Annotate ``part.gm`` with shapes and dtypes from the arguments it was called with."""
     with torch.no_grad():
         ShapeProp(part.gm).propagate(*part.arguments.values())

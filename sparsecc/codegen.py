@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import jinja2
 
-from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
+from .epilogue import ACTIVATION_CODES, GELU_POLYNOMIAL, UNCHECKED_NONFINITE
 from .errors import InputError
 
 
@@ -261,7 +261,8 @@ def render(spec: KernelSpec) -> str:
     from . import __version__
     return _environment().get_template(spec.template).render(spec=spec, version=__version__,
                                                              activation_codes=ACTIVATION_CODES,
-                                                             unchecked_nonfinite=UNCHECKED_NONFINITE)
+                                                             unchecked_nonfinite=UNCHECKED_NONFINITE,
+                                                             gelu_polynomial=GELU_POLYNOMIAL)
 
 
 def templates_digest() -> str:

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsecc.config import settings
-from sparsecc.epilogue import Activation, Epilogue, apply_activation
+from sparsecc.epilogue import GELU_POLYNOMIAL, Activation, Epilogue, apply_activation
 from sparsecc.errors import InputError
 
 
@@ -16,6 +16,35 @@ def test_activations_match_torch():
     assert apply_activation(x, "none") is x
     with pytest.raises(InputError):
         apply_activation(x, "swish")
+
+
+def test_polynomial_gelu_is_as_exact_as_float32_erf_gelu():
+    """GELU_POLYNOMIAL (the BSR kernel's exact GELU) evaluated in float32, against float64
+    GELU: its error is about that of the usual float32 form 0.5 x (1 + erf(x / sqrt 2))."""
+    x = torch.cat([torch.linspace(-20, 20, 2_000_001), torch.linspace(-1e-3, 1e-3, 20_001), torch.randn(100_000)])
+    exact = F.gelu(x.double())
+    ours = (GELU_POLYNOMIAL(x).double() - exact).abs()
+    erf_form = ((0.5 * x * (1 + torch.erf(x * 0.70710678))).double() - exact).abs()
+    scale = x.double().abs().clamp(min=1)
+    assert (ours / scale).max() < 2e-7, (ours / scale).max()
+    assert (ours / scale).max() < 1.5 * (erf_form / scale).max()
+    central = x.abs() < 3                          # where 16-bit outputs see the difference
+    for dtype in (torch.float16, torch.bfloat16):
+        rounded = exact[central].to(dtype)
+        ours_differ = (GELU_POLYNOMIAL(x[central]).to(dtype) != rounded).double().mean()
+        erf_differ = ((0.5 * x * (1 + torch.erf(x * 0.70710678)))[central].to(dtype) != rounded).double().mean()
+        assert ours_differ < 3e-3 and ours_differ < 3 * erf_differ + 1e-4, (dtype, ours_differ, erf_differ)
+
+
+def test_polynomial_gelu_special_values_and_clamp():
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, -65504.0, 1e-30, -1e-30])
+    got, want = GELU_POLYNOMIAL(special), F.gelu(special.double()).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+    assert torch.equal(got.signbit(), want.signbit())
+    clamp = torch.tensor(GELU_POLYNOMIAL.clamp)
+    p = sum(c * clamp ** i for i, c in enumerate(GELU_POLYNOMIAL.coefficients))
+    assert p < -152                                # the GPU's flushing exp2 gives exactly 0 there
 
 
 def test_epilogue_names():

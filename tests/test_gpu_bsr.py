@@ -190,7 +190,8 @@ def test_every_activation_with_and_without_bias(activation, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_empty_and_fully_dense_weights(dtype):
     """No stored block at all (or only the blocks of zeros covering the block columns): y =
-    act(bias) everywhere, and NaN in a row where x has one; every block stored: the dense product."""
+    act(bias) everywhere (the wgmma kernel's GELU is its own polynomial: within an ulp of
+    torch's), and NaN in a row where x has one; every block stored: the dense product."""
     gen = torch.Generator().manual_seed(4)
     bias = torch.randn(128, generator=gen).to(dtype).cuda()
     x = torch.randn(300, 256, generator=gen).to(dtype).cuda()
@@ -198,7 +199,10 @@ def test_fully_empty_and_fully_dense_weights(dtype):
     for cover in (False, True):
         packed = BsrKernelWeight.from_dense(empty, (64, 64), cover_columns=cover)
         assert packed.values.shape[0] == (4 if cover else 0)
-        assert torch.equal(run(packed, x, bias, "gelu"), reference(x, empty, bias, "gelu").to(dtype).expand(300, 128))
+        got = run(packed, x, bias, "gelu")
+        assert torch.equal(got, got[:1].expand(300, 128))          # act(bias) in every row, within an ulp
+        torch.testing.assert_close(got[0], reference(x[:1], empty, bias, "gelu")[0].to(dtype),
+                                   rtol=torch.finfo(dtype).eps, atol=1e-6)
         bad = x.clone()
         bad[5, 200] = float("nan")
         got = run(packed, bad, bias, "gelu")

@@ -1,11 +1,15 @@
 """The wgmma BSR kernel at large batch (issue: BSR/CSR kernels): every rows-of-x tile it takes
-(64, 128, 256), NaN/Inf pass off, against cuBLAS + ReLU, 64x64 blocks at density 0.5 / 0.25 /
-0.1, M = 8192, fp16, graph replay in one process. ``--previous DIR`` also times an earlier
-build of the kernel (DIR/tile<T>.so, same entry points) on the same data. Writes
-bsr_large_m.json to $OUT. With ``--ncu`` it runs one launch of one configuration (for Nsight
-Compute) and nothing else.
+(64, 128, 256), NaN/Inf pass off, against cuBLAS + the activation as a separate op, 64x64
+blocks, fp16, graph replay in one process. By default density 0.5 / 0.25 / 0.1, M = 8192 and
+ReLU; ``--m``, ``--shapes``, ``--densities``, ``--tiles`` and ``--activations`` choose others.
+Each row also gives the bandwidth the kernel reaches on the bytes it cannot avoid (x read once,
+y written once, the stored blocks), ``*_gbs``. ``--previous DIR`` also times an earlier build
+of the kernel (DIR/tile<T>.so, same entry points) on the same data. Writes bsr_large_m.json to
+$OUT. With ``--ncu`` it runs one launch of one configuration (for Nsight Compute) and nothing
+else.
 
-    OUT=/tmp python benchmarks/lab/bsr_large_m.py [--previous DIR] [--ncu N K DENSITY TILE_M]
+    OUT=/tmp python benchmarks/lab/bsr_large_m.py [--m M] [--shapes NxK ...] [--densities D ...]
+        [--tiles T ...] [--activations A ...] [--previous DIR] [--ncu N K DENSITY TILE_M]
 """
 import argparse
 import json
@@ -47,22 +51,28 @@ def previous_kernels(folder):
     return {t: runtime.Kernel(spec(t), path) for t, path in paths.items() if os.path.isfile(path)}
 
 
-def point(n, k, density, tables, gen, m=M, previous=None):
+#: the epilogue's activation against its torch reference
+ACTIVATIONS = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
+               "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def point(n, k, density, tables, gen, m=M, previous=None, activation="relu"):
     w = block_weight(n, k, BLOCK, density, torch.float16, gen)
     bias = torch.randn(n, generator=gen).half().cuda()
     x = torch.randn(m, k, generator=gen).half().cuda()
     packed = BsrKernelWeight.pack(w, (BLOCK, BLOCK))
     values, meta = packed.values.cuda(), packed.metadata.cuda()
-    ref = torch.relu(x.float() @ w.float().t() + bias.float())
-    calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
+    act = ACTIVATIONS[activation]
+    ref = act(x.float() @ w.float().t() + bias.float())
+    calls = {"cublas": lambda: act(F.linear(x, w, bias))}
     for t, table in tables.items():
-        calls[f"tile{t}"] = (lambda table=table: gpu.linear_kernel(x, values, meta, n, k, bias, "relu", False, False,
+        calls[f"tile{t}"] = (lambda table=table: gpu.linear_kernel(x, values, meta, n, k, bias, activation, False, False,
                                                                    table))
     y = torch.empty(m, n, dtype=x.dtype, device="cuda")
     for t, kernel in (previous or {}).items():
         def run(kernel=kernel):
             kernel.gemm(values.data_ptr(), meta.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
-                        ACTIVATION_CODES["relu"] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream)
+                        ACTIVATION_CODES[activation] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream)
             return y
         calls[f"previous{t}"] = run
     return calls, ref
@@ -70,6 +80,12 @@ def point(n, k, density, tables, gen, m=M, previous=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=M, help="rows of x")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxK (default: the five of SHAPES)")
+    parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
+    parser.add_argument("--tiles", nargs="*", type=int, default=TILES)
+    parser.add_argument("--activations", nargs="*", default=["relu"], choices=list(ACTIVATIONS),
+                        help="the epilogue's activation (cuBLAS gets the same as a separate op)")
     parser.add_argument("--previous", metavar="DIR", help="also time DIR/tile<T>.so, an earlier build")
     parser.add_argument("--ncu", nargs=4, metavar=("N", "K", "DENSITY", "TILE_M"),
                         help="run one launch of this configuration and nothing else")
@@ -81,19 +97,23 @@ def main():
         calls[f"tile{tile}"]()
         torch.cuda.synchronize()
         return
-    tables = kernels(TILES)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    tables = kernels(args.tiles)
     previous = previous_kernels(args.previous) if args.previous else {}
     rows = []
-    for n, k in SHAPES:
-        for density in DENSITIES:
-            calls, ref = point(n, k, density, tables, gen, previous=previous)
-            row = {"N": n, "K": k, "M": M, "density": density}
+    for n, k in shapes:
+        for density, activation in [(d, a) for d in args.densities for a in args.activations]:
+            calls, ref = point(n, k, density, tables, gen, m=args.m, previous=previous, activation=activation)
+            row = {"N": n, "K": k, "M": args.m, "density": density, "activation": activation}
+            unavoidable = (args.m * (n + k) + density * n * k) * 2       # bytes: x, y, stored blocks
             for name, fn in calls.items():
                 row[name + "_err"] = rel_err(fn(), ref)
                 row[name] = time_graph_us(fn)
+                row[name + "_gbs"] = round(unavoidable / row[name] / 1e3, 1)
             row["speedups"] = {name: round(row["cublas"] / row[name], 2) for name in calls if name != "cublas"}
             rows.append(row)
-            print(n, k, density, f"cublas {row['cublas']:.1f}", row["speedups"],
+            print(n, k, density, activation, f"cublas {row['cublas']:.1f}", row["speedups"],
+                  "GB/s", {name: row[name + "_gbs"] for name in calls},
                   "errors", {name: f"{row[name + '_err']:.1e}" for name in calls}, flush=True)
     json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "bsr_large_m.json"), "w"), indent=1)
 

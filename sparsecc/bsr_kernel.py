@@ -50,11 +50,26 @@ def block_supported(block: tuple[int, int], dtype: torch.dtype) -> str | None:
     return None
 
 
-def dispatch(dtype: torch.dtype, block: tuple[int, int]) -> list[tuple[int, Launch]]:
-    """The BSR launch per M bucket for a weight with this block."""
+#: block rows of at most this many pipeline chunks (64 columns each) on average are short: the
+#: wgmma kernel's CTAs take two tiles of x each there (the launch's ``splits``), the loads of
+#: the second running while the first's output is stored. Same-process A/B on an H100 (fp16,
+#: 64x64 blocks, lab/README.md): 4-17% faster at 1-3 chunks per row (3072x768 and 768x768 at
+#: density 0.1-0.25), 6-15% slower at 5-6 (768x3072 and 4096x4096 at 0.1, 3072x768 at 0.5),
+#: where the stage it costs is missed
+SHORT_ROW_CHUNKS = 3.0
+
+
+def dispatch(dtype: torch.dtype, block: tuple[int, int], chunks_per_row: float | None = None) -> list[tuple[int, Launch]]:
+    """The BSR launch per M bucket for a weight with this block; ``chunks_per_row``: the packed
+    weight's pipeline chunks per block row on average (None: not known, one tile per CTA)."""
     name = str(dtype).replace("torch.", "")
-    return [(bound, Launch(KernelSpec(DEFAULT_KERNEL[bound][0], name, tile=(*block, DEFAULT_KERNEL[bound][1]))))
-            for bound, _ in M_BUCKETS]
+    short = chunks_per_row is not None and chunks_per_row <= SHORT_ROW_CHUNKS
+    launches = []
+    for bound, _ in M_BUCKETS:
+        family, tile_m = DEFAULT_KERNEL[bound]
+        tiles = 2 if short and family is Family.BSR_SM90_WGMMA and tile_m < 256 else 1
+        launches.append((bound, Launch(KernelSpec(family, name, tile=(*block, tile_m)), splits=tiles)))
+    return launches
 
 
 def kernel_for_rows(m: int) -> tuple[Family, int]:
@@ -75,6 +90,12 @@ class BsrKernelWeight(KernelWeight):
     @property
     def block_rows(self) -> int:
         return self.out_features // self.block[0]
+
+    @property
+    def chunks_per_row(self) -> float:
+        """The wgmma kernel's pipeline chunks (64 columns, or the block's width if narrower) per
+        block row, on average over the block rows."""
+        return self.values.shape[0] * max(1, self.block[1] // 64) / max(1, self.block_rows)
 
     @property
     def row_ptr(self) -> torch.Tensor:
@@ -117,7 +138,7 @@ class BsrKernelWeight(KernelWeight):
         if reason:
             raise InputError(reason)
         packed = cls.pack(weight, tuple(block), cover_columns=cover_columns)
-        table = dispatch(weight.dtype, tuple(block))
+        table = dispatch(weight.dtype, tuple(block), packed.chunks_per_row)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         packed.kernels = dispatch_string(table, nonfinite_flags())
         return packed

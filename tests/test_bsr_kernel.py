@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sparsecc.analysis import analyze
-from sparsecc.bsr_kernel import DEFAULT_KERNEL, BsrKernelWeight, block_supported, dispatch, kernel_for_rows
+from sparsecc.bsr_kernel import (DEFAULT_KERNEL, SHORT_ROW_CHUNKS, BsrKernelWeight, block_supported, dispatch,
+                                 kernel_for_rows)
 from sparsecc.codegen import TILES, Family, KernelSpec
 from sparsecc.cost import CostModel
 from sparsecc.errors import FormatError, InputError
@@ -62,6 +63,19 @@ def test_refusals():
     assert "sides" in block_supported((8, 32), torch.float16)
     assert "float16/bfloat16" in block_supported((32, 32), torch.float32)
     assert block_supported((16, 128), torch.bfloat16) is None
+
+
+def test_short_block_rows_get_two_tiles_of_x_per_cta(gen):
+    """Where a weight's block rows average at most SHORT_ROW_CHUNKS pipeline chunks, its wgmma
+    launches (not the streaming one, not 256 rows) take two tiles of x per CTA (``splits``)."""
+    for chunks, expected in ((None, 1), (SHORT_ROW_CHUNKS, 2), (SHORT_ROW_CHUNKS + 0.5, 1)):
+        for _, launch in dispatch(torch.float16, (64, 64), chunks):
+            wgmma = launch.spec.family is Family.BSR_SM90_WGMMA and launch.spec.tile[2] < 256
+            assert launch.splits == (expected if wgmma else 1), (chunks, launch)
+    sparse = BsrKernelWeight.pack(block_sparse(256, 1024, (64, 64), 0.1, gen, torch.float16), (64, 64))
+    assert sparse.chunks_per_row == sparse.values.shape[0] / 4
+    wide = BsrKernelWeight.pack(block_sparse(256, 1024, (128, 128), 0.5, gen, torch.float16), (128, 128))
+    assert wide.chunks_per_row == wide.values.shape[0] * 2 / 2      # a 128-wide block is two chunks
 
 
 def test_dispatch_has_a_kernel_per_bucket_for_every_block():

@@ -61,11 +61,12 @@ def run(packed, x, bias=None, activation="none", x_transposed=False, transpose_o
 
 def run_poisoned(packed, x, bias, activation, m_bound):
     """The launch the site dispatches for ``m_bound`` rows, called directly on a NaN-filled y."""
-    kernel, *_ = gpu.kernel_for(packed.kernels, m_bound)
+    kernel, swizzle, splits, _ = gpu.kernel_for(packed.kernels, m_bound)
     y = torch.full((x.shape[0], packed.out_features), float("nan"), dtype=x.dtype, device="cuda")
     kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), x.data_ptr(),
                 bias.data_ptr() if bias is not None else 0, y.data_ptr(), packed.out_features, x.shape[0],
-                packed.in_features, ACTIVATION_CODES[activation], torch.cuda.current_stream().cuda_stream)
+                packed.in_features, ACTIVATION_CODES[activation], torch.cuda.current_stream().cuda_stream,
+                swizzle=swizzle, splits=splits)
     torch.cuda.synchronize()
     return y
 
@@ -104,6 +105,31 @@ def test_wgmma_tiles_the_dispatch_does_not_use(block, tile_m, dtype):
         x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
         error = rel_error(run_poisoned(packed, x, bias, "gelu", m), reference(x, w, bias, "gelu"))
         assert error <= TOLERANCE[dtype], (m, error)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block,tile_m", [((64, 64), 128), ((64, 64), 64), ((32, 32), 128), ((16, 64), 64)], ids=str)
+def test_two_tiles_per_cta_compute_what_one_does(block, tile_m, dtype):
+    """The wgmma kernel with two tiles of x per CTA (the launch's splits = 2, chosen for short
+    block rows) gives the same bits as with one, over batch sizes with an odd number of tiles
+    and a partial last tile, and matches fp64; the dispatch asks for it only for short rows."""
+    spec = KernelSpec(Family.BSR_SM90_WGMMA, dtype_name(dtype), tile=(*block, tile_m))
+    runtime.ensure([spec], progress=False)
+    gen = torch.Generator().manual_seed(40)
+    for density in (0.15, 0.9):
+        w = weight(block, 6, 9, density, dtype, seed=41)
+        one, two = BsrKernelWeight.pack(w, block), BsrKernelWeight.pack(w, block)
+        one.kernels = gpu.dispatch_string([(0, gpu.Launch(spec, splits=1))])
+        two.kernels = gpu.dispatch_string([(0, gpu.Launch(spec, splits=2))])
+        bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+        for m in (1, tile_m, tile_m + 1, 3 * tile_m - 5, 1000):
+            x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+            y = run_poisoned(two, x, bias, "gelu", m)
+            assert torch.equal(y, run_poisoned(one, x, bias, "gelu", m)), (density, m)
+            assert rel_error(y, reference(x, w, bias, "gelu")) <= TOLERANCE[dtype], (density, m)
+    short, long = (BsrKernelWeight.from_dense(weight(block, 6, 9, d, dtype, seed=42), block) for d in (0.15, 0.9))
+    assert short.chunks_per_row <= 3 < long.chunks_per_row
+    assert gpu.kernel_for(short.kernels, 4096)[2] == 2 and gpu.kernel_for(long.kernels, 4096)[2] == 1
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The wgmma BSR kernel at large batch (issue: BSR/CSR kernels): every rows-of-x tile it takes
 (64, 128, 256), NaN/Inf pass off, against cuBLAS + the activation as a separate op, 64x64
 blocks, fp16, graph replay in one process. By default density 0.5 / 0.25 / 0.1, M = 8192 and
-ReLU; ``--m``, ``--shapes``, ``--densities``, ``--tiles`` and ``--activations`` choose others.
+ReLU; ``--m``, ``--shapes``, ``--densities``, ``--tiles`` and ``--activations`` choose others;
+``--splits`` the tiles of x per CTA (default: as the dispatch chooses for each weight).
 Each row also gives the bandwidth the kernel reaches on the bytes it cannot avoid (x read once,
 y written once, the stored blocks), ``*_gbs``. ``--previous DIR`` also times an earlier build
 of the kernel (DIR/tile<T>.so, same entry points) on the same data. Writes bsr_large_m.json to
@@ -24,7 +25,7 @@ from common import rel_err, time_graph_us  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
-from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
+from sparsecc.bsr_kernel import SHORT_ROW_CHUNKS, BsrKernelWeight  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
@@ -40,9 +41,17 @@ def spec(tile_m):
 
 
 def kernels(tile_ms):
-    """The dispatch table (NaN/Inf pass off) of the current kernel at each rows-of-x tile."""
+    """The current kernel at each rows-of-x tile, built."""
     runtime.ensure([spec(t) for t in tile_ms], progress=False)
-    return {t: gpu.dispatch_string([(0, gpu.Launch(spec(t)))], UNCHECKED_NONFINITE) for t in tile_ms}
+    return {t: spec(t) for t in tile_ms}
+
+
+def table(kernel_spec, packed, splits):
+    """A one-launch dispatch table (NaN/Inf pass off); splits "auto": as sparsecc.bsr_kernel.dispatch
+    chooses for this weight (two tiles of x per CTA for short block rows)."""
+    if splits == "auto":
+        splits = 2 if packed.chunks_per_row <= SHORT_ROW_CHUNKS and kernel_spec.tile[2] < 256 else 1
+    return gpu.dispatch_string([(0, gpu.Launch(kernel_spec, splits=int(splits)))], UNCHECKED_NONFINITE)
 
 
 def previous_kernels(folder):
@@ -56,7 +65,7 @@ ACTIVATIONS = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
                "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
-def point(n, k, density, tables, gen, m=M, previous=None, activation="relu"):
+def point(n, k, density, specs, gen, m=M, previous=None, activation="relu", splits="auto"):
     w = block_weight(n, k, BLOCK, density, torch.float16, gen)
     bias = torch.randn(n, generator=gen).half().cuda()
     x = torch.randn(m, k, generator=gen).half().cuda()
@@ -65,9 +74,9 @@ def point(n, k, density, tables, gen, m=M, previous=None, activation="relu"):
     act = ACTIVATIONS[activation]
     ref = act(x.float() @ w.float().t() + bias.float())
     calls = {"cublas": lambda: act(F.linear(x, w, bias))}
-    for t, table in tables.items():
-        calls[f"tile{t}"] = (lambda table=table: gpu.linear_kernel(x, values, meta, n, k, bias, activation, False, False,
-                                                                   table))
+    for t, kernel_spec in specs.items():
+        calls[f"tile{t}"] = (lambda text=table(kernel_spec, packed, splits): gpu.linear_kernel(
+            x, values, meta, n, k, bias, activation, False, False, text))
     y = torch.empty(m, n, dtype=x.dtype, device="cuda")
     for t, kernel in (previous or {}).items():
         def run(kernel=kernel):
@@ -86,6 +95,8 @@ def main():
     parser.add_argument("--tiles", nargs="*", type=int, default=TILES)
     parser.add_argument("--activations", nargs="*", default=["relu"], choices=list(ACTIVATIONS),
                         help="the epilogue's activation (cuBLAS gets the same as a separate op)")
+    parser.add_argument("--splits", default="auto", choices=["auto", "1", "2"],
+                        help="tiles of x per CTA (auto: as the dispatch chooses for the weight)")
     parser.add_argument("--previous", metavar="DIR", help="also time DIR/tile<T>.so, an earlier build")
     parser.add_argument("--ncu", nargs=4, metavar=("N", "K", "DENSITY", "TILE_M"),
                         help="run one launch of this configuration and nothing else")
@@ -98,12 +109,13 @@ def main():
         torch.cuda.synchronize()
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    tables = kernels(args.tiles)
+    specs = kernels(args.tiles)
     previous = previous_kernels(args.previous) if args.previous else {}
     rows = []
     for n, k in shapes:
         for density, activation in [(d, a) for d in args.densities for a in args.activations]:
-            calls, ref = point(n, k, density, tables, gen, m=args.m, previous=previous, activation=activation)
+            calls, ref = point(n, k, density, specs, gen, m=args.m, previous=previous, activation=activation,
+                               splits=args.splits)
             row = {"N": n, "K": k, "M": args.m, "density": density, "activation": activation}
             unavoidable = (args.m * (n + k) + density * n * k) * 2       # bytes: x, y, stored blocks
             for name, fn in calls.items():

@@ -63,13 +63,16 @@ def dispatch(dtype: torch.dtype, block: tuple[int, int], chunks_per_row: float |
     """The BSR launch per M bucket for a weight with this block; ``chunks_per_row``: the packed
     weight's pipeline chunks per block row on average (None: not known, one tile per CTA)."""
     name = str(dtype).replace("torch.", "")
+    specs = [(bound, KernelSpec(DEFAULT_KERNEL[bound][0], name, tile=(*block, DEFAULT_KERNEL[bound][1])))
+             for bound, _ in M_BUCKETS]
+    return [(bound, Launch(spec, splits=tiles_per_cta(spec, chunks_per_row))) for bound, spec in specs]
+
+
+def tiles_per_cta(spec: KernelSpec, chunks_per_row: float | None) -> int:
+    """The tiles of x each CTA of ``spec`` takes (the launch's ``splits``) for a weight with this
+    many pipeline chunks per block row: two for short rows on the wgmma kernel below 256 rows."""
     short = chunks_per_row is not None and chunks_per_row <= SHORT_ROW_CHUNKS
-    launches = []
-    for bound, _ in M_BUCKETS:
-        family, tile_m = DEFAULT_KERNEL[bound]
-        tiles = 2 if short and family is Family.BSR_SM90_WGMMA and tile_m < 256 else 1
-        launches.append((bound, Launch(KernelSpec(family, name, tile=(*block, tile_m)), splits=tiles)))
-    return launches
+    return 2 if short and spec.family is Family.BSR_SM90_WGMMA and spec.tile[2] < 256 else 1
 
 
 def kernel_for_rows(m: int) -> tuple[Family, int]:

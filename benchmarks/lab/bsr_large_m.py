@@ -25,7 +25,7 @@ from common import rel_err, time_graph_us  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
-from sparsecc.bsr_kernel import SHORT_ROW_CHUNKS, BsrKernelWeight  # noqa: E402
+from sparsecc.bsr_kernel import BsrKernelWeight, tiles_per_cta  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
@@ -50,7 +50,7 @@ def table(kernel_spec, packed, splits):
     """A one-launch dispatch table (NaN/Inf pass off); splits "auto": as sparsecc.bsr_kernel.dispatch
     chooses for this weight (two tiles of x per CTA for short block rows)."""
     if splits == "auto":
-        splits = 2 if packed.chunks_per_row <= SHORT_ROW_CHUNKS and kernel_spec.tile[2] < 256 else 1
+        splits = tiles_per_cta(kernel_spec, packed.chunks_per_row)
     return gpu.dispatch_string([(0, gpu.Launch(kernel_spec, splits=int(splits)))], UNCHECKED_NONFINITE)
 
 

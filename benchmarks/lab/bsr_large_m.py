@@ -79,9 +79,12 @@ def point(n, k, density, specs, gen, m=M, previous=None, activation="relu", spli
             x, values, meta, n, k, bias, activation, False, False, text))
     y = torch.empty(m, n, dtype=x.dtype, device="cuda")
     for t, kernel in (previous or {}).items():
-        def run(kernel=kernel):
+        tiles = tiles_per_cta(spec(t), packed.chunks_per_row) if splits == "auto" else int(splits)
+
+        def run(kernel=kernel, tiles=tiles):       # (a build from before two-tile CTAs ignores splits)
             kernel.gemm(values.data_ptr(), meta.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
-                        ACTIVATION_CODES[activation] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream)
+                        ACTIVATION_CODES[activation] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream,
+                        splits=tiles)
             return y
         calls[f"previous{t}"] = run
     return calls, ref

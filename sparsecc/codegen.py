@@ -16,6 +16,7 @@ from functools import lru_cache
 import jinja2
 
 from .epilogue import ACTIVATION_CODES, GELU_POLYNOMIAL, UNCHECKED_NONFINITE
+from .nonfinite_guard import HEADER_WORDS as GUARD_HEADER_WORDS
 from .errors import InputError
 
 
@@ -262,7 +263,8 @@ def render(spec: KernelSpec) -> str:
     return _environment().get_template(spec.template).render(spec=spec, version=__version__,
                                                              activation_codes=ACTIVATION_CODES,
                                                              unchecked_nonfinite=UNCHECKED_NONFINITE,
-                                                             gelu_polynomial=GELU_POLYNOMIAL)
+                                                             gelu_polynomial=GELU_POLYNOMIAL,
+                                                             guard_header_words=GUARD_HEADER_WORDS)
 
 
 def templates_digest() -> str:

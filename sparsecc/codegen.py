@@ -16,7 +16,7 @@ from functools import lru_cache
 import jinja2
 
 from .epilogue import ACTIVATION_CODES, GELU_POLYNOMIAL, UNCHECKED_NONFINITE
-from .nonfinite_guard import HEADER_WORDS as GUARD_HEADER_WORDS
+from .nonfinite_guard import ALIGNMENT as GUARD_ALIGNMENT, HEADER_WORDS as GUARD_HEADER_WORDS
 from .errors import InputError
 
 
@@ -264,7 +264,8 @@ def render(spec: KernelSpec) -> str:
                                                              activation_codes=ACTIVATION_CODES,
                                                              unchecked_nonfinite=UNCHECKED_NONFINITE,
                                                              gelu_polynomial=GELU_POLYNOMIAL,
-                                                             guard_header_words=GUARD_HEADER_WORDS)
+                                                             guard_header_words=GUARD_HEADER_WORDS,
+                                                             guard_alignment=GUARD_ALIGNMENT)
 
 
 def templates_digest() -> str:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from . import runtime
+from . import nonfinite_guard, runtime
 from .build import toolchain
 from .codegen import Family, KernelSpec, Schedule, Scheduler
 from .config import settings
@@ -425,7 +425,8 @@ def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
 @dataclass
 class CutlassSparse24Weight(KernelWeight):
     """A 2:4 weight in the layout the sm90 GEMMs read: compressed values and metadata, as
-    CUTLASS's compressor writes them."""
+    CUTLASS's compressor writes them, the metadata followed by the site's NaN/Inf guard
+    (:func:`sparsecc.nonfinite_guard.append_guard`)."""
 
     spec = NM_2_4
 
@@ -444,6 +445,9 @@ class CutlassSparse24Weight(KernelWeight):
         with torch.cuda.device(weight.device):
             kernel.compress(dense.data_ptr(), values.data_ptr(), metadata.data_ptr(), n, k,
                             torch.cuda.current_stream().cuda_stream)
+        # An all-zero column may be stored by no row (the compressor picks which zeros it keeps),
+        # so its inputs are listed for the NaN/Inf pass; columns with a non-zero are always met.
+        metadata = nonfinite_guard.append_guard(metadata, ~(dense != 0).any(dim=0))
         table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags()))

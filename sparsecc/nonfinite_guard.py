@@ -1,17 +1,17 @@
-"""The guard that keeps NaN and Inf exact after the wgmma BSR kernel at almost no cost.
+"""The guard that keeps NaN and Inf exact after the 2:4 GEMMs and the wgmma BSR kernel at almost no cost.
 
 Dense ``F.linear`` multiplies every input by every weight, so a NaN or an infinity of ``x``
-makes NaN in every output whose weight is zero there (``0 * NaN = 0 * Inf = NaN``). The BSR
-kernels skip the blocks they do not store, so a pass after the product stores the NaN dense
-would have made. Reading all of ``x`` for that costs as much as a large-batch sparse product
-itself, so the pass reads it only when it must:
+makes NaN in every output whose weight is zero there (``0 * NaN = 0 * Inf = NaN``). The sparse
+kernels skip the weights they do not store (pruned entries of 2:4 groups, absent blocks), so a
+pass after the product stores the NaN dense would have made. Reading all of ``x`` for that
+costs as much as a large-batch sparse product itself, so the pass reads it only when it must:
 
-- a non-finite input that meets a *stored* block (its zeros included) makes that output's sum
-  non-finite: the product's epilogue then raises the site's guard flag, and the pass tests
+- a non-finite input that meets a *stored* weight (stored zeros included) makes that output's
+  sum non-finite: the product's epilogue then raises the site's guard flag, and the pass tests
   every input;
-- an input that no stored block meets (a block column no block row stores) changes no sum:
-  the guard lists those inputs, in groups of :data:`GROUP`, and the pass tests them on every
-  call. :func:`cover_block_columns` stores a block of zeros in each such column instead, so
+- an input that no stored weight meets (a block column no block row stores, a column of a 2:4
+  weight that is zero in every row) changes no sum: the guard lists those inputs, in groups of
+  :data:`GROUP`, and the pass tests them on every call. :func:`cover_block_columns` stores a block of zeros in each such column instead, so
   that there is nothing to list (the default where the wgmma kernel runs the site).
 
 With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
@@ -20,8 +20,11 @@ a few int32 words kept after a site's metadata (templates/common.j2, ``guard_hel
 flag for the next call. A site's guard belongs to its packed weight, so one packed weight must
 not run on two CUDA streams at the same time (as with any buffer a kernel writes).
 
-The 2:4 GEMMs keep a pass that reads all of ``x``: raising the flag from CUTLASS's epilogue
-made the GEMM itself slower than the pass it saved (``benchmarks/lab/README.md``).
+The BSR kernels raise the flag from their own epilogue. The cooperative 2:4 GEMMs raise it from
+a node of CUTLASS's epilogue visitor tree (``NonfiniteProbe`` in
+templates/gemm_sm90_sparse24.cu.j2); the pingpong ones, whose epilogue the probe slowed, keep
+a pass that reads all of ``x``. The 2:4 metadata is CUTLASS's, so the guard sits after it at
+the next multiple of :data:`ALIGNMENT` bytes (:func:`append_guard`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from .errors import InputError
 GROUP = 8
 #: the words before the groups: flag, finished CTAs, group count
 HEADER_WORDS = 3
+#: where the guard starts after a 2:4 weight's metadata: the next multiple of this many bytes
+ALIGNMENT = 16
 
 
 def guard_words(unmet: torch.Tensor) -> torch.Tensor:
@@ -44,6 +49,24 @@ def guard_words(unmet: torch.Tensor) -> torch.Tensor:
     groups = unmet.reshape(k // GROUP, GROUP).any(dim=1).nonzero().flatten().to(torch.int32)
     header = torch.tensor([0, 0, groups.numel()], dtype=torch.int32, device=unmet.device)
     return torch.cat([header, groups])
+
+
+def append_guard(metadata: torch.Tensor, unmet: torch.Tensor) -> torch.Tensor:
+    """``metadata`` (uint8, a 2:4 GEMM's, as CUTLASS's compressor wrote it) followed, at the next
+    multiple of :data:`ALIGNMENT` bytes, by the guard of :func:`guard_words` for ``unmet``."""
+    guard = guard_words(unmet)
+    start = -(-metadata.numel() // ALIGNMENT) * ALIGNMENT
+    packed = metadata.new_zeros(start + 4 * guard.numel())
+    packed[:metadata.numel()] = metadata
+    packed[start:].view(torch.int32).copy_(guard)
+    return packed
+
+
+def guard_after(metadata: torch.Tensor, metadata_bytes: int) -> torch.Tensor:
+    """The guard words (int32 view) of a 2:4 GEMM's ``metadata`` made by :func:`append_guard`
+    from ``metadata_bytes`` bytes of CUTLASS's metadata."""
+    start = -(-metadata_bytes // ALIGNMENT) * ALIGNMENT
+    return metadata[start:].view(torch.int32)
 
 
 def groups_of(guard: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,9 @@ class Kernel:
 
     def propagate_nonfinite(self, e: int, b: int, d: int, m: int, n: int, k: int, stream: int) -> None:
         """The pass a 2:4 GEMM or BSR kernel runs after its product so that NaN and Inf of x reach y as in dense
-        F.linear (``gemm`` already runs it; exposed so benchmarks can time it alone). The 2:4 pass reads all of x;
-        the BSR pass only while the product has raised the site's guard (:mod:`sparsecc.nonfinite_guard`)."""
+        F.linear (``gemm`` already runs it; exposed so benchmarks can time it alone). It reads all of x only while
+        the product has raised the site's guard (:mod:`sparsecc.nonfinite_guard`); the pingpong 2:4 GEMMs keep no
+        guard, and their pass always reads all of x."""
         self._check(self._propagate(e, b, d, m, n, k, stream))
 
     def sizes(self, m: int, k: int) -> tuple[int, int]:

@@ -7,8 +7,9 @@ ValueError), the C++ launcher a ValueError from TORCH_CHECK_VALUE.
 import pytest
 import torch
 
-from sparsecc import gpu, runtime
-from sparsecc.codegen import Family
+from sparsecc import gpu, nonfinite_guard, runtime
+from sparsecc.codegen import Family, KernelSpec
+from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import assert_rel_close, kernels_of_24_sites, n_m
 from test_bad_input import assert_same_nonfinite, ieee_reference
@@ -24,6 +25,8 @@ N, K = 64, 128
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = kernels_of_24_sites([(N, K), (136, 544)], DTYPES)
 KERNELS += [launch.spec for dtype in DTYPES for _, launch in gpu.dispatch(Family.SM90_DENSE, dtype, N, K)]
+KERNELS += [KernelSpec(Family.SM90_SPARSE24, "float16", **layout) for layout in (dict(x_transposed=True),
+                                                                                  dict(transpose_out=True))]
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["float16", "bfloat16"])
@@ -194,23 +197,83 @@ def test_input_or_bias_on_another_device_raises(site):
         run(packed, torch.randn(3, K, device="cuda").to(w.dtype), torch.randn(N).to(w.dtype))
 
 
+def guard_of(packed, n=N, k=K):
+    """The guard words after a CUTLASS 2:4 weight's metadata (int32 view, shares its memory)."""
+    compressor = runtime.ensure([KernelSpec(Family.SM90_COMPRESS24, str(packed.values.dtype)[6:])])
+    return nonfinite_guard.guard_after(packed.metadata, next(iter(compressor.values())).sizes(n, k)[1])
+
+
 def test_nonfinite_pass_alone_writes_only_where_dense_has_nan(site):
-    """The GEMMs' pass on its own (as benchmarks/kernels.py times it): with finite x it leaves
-    y untouched; with a NaN at a column it writes NaN exactly where the weight skips that
-    column, and nowhere else."""
+    """The GEMMs' pass on its own (as benchmarks/kernels.py times it): with the guard lowered
+    it reads only the listed inputs (none here) and leaves y untouched, even with a NaN in x;
+    raised, it writes NaN exactly where the weight skips that column, and nowhere else, and
+    lowers the guard."""
     w, packed = site
+    guard = guard_of(packed)
+    assert guard.tolist() == [0, 0, 0]              # every column of this weight holds a non-zero
     kernel = gpu.kernel_for(packed.kernels, 5)[0]
     x = torch.randn(5, K, device="cuda").to(w.dtype)
     y = torch.randn(5, N, device="cuda").to(w.dtype)
     before = y.clone()
     stream = torch.cuda.current_stream().cuda_stream
+    x[3, 21] = float("nan")
     kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), N, 5, K, stream)
     assert torch.equal(y, before)
-    x[3, 21] = float("nan")
+    guard[0] = 1                                     # what the GEMM's epilogue does on a NaN sum
     kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), N, 5, K, stream)
     skipped = w[:, 21] == 0                  # a 2:4 weight stores exactly its non-zeros here
     assert torch.equal(y[3].isnan(), skipped) and skipped.any() and not skipped.all()
     assert torch.equal(y[[0, 1, 2, 4]], before[[0, 1, 2, 4]])
+    assert guard.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_guard_is_lowered_after_each_call_and_left_alone_unchecked(site, activation):
+    """An infinity of x that meets stored weights reaches y as in dense (the GEMM's epilogue
+    raised the guard: the pass alone would not look, see above); the pass lowers the guard, so
+    the next call, on finite x, is exact. Unchecked, the epilogue has no flag to raise."""
+    w, packed = site
+    guard = guard_of(packed)
+    unchecked = ";".join(entry.rsplit(":", 1)[0] + f":{gpu.UNCHECKED_NONFINITE}" for entry in packed.kernels.split(";"))
+    x = torch.randn(9, K, device="cuda").to(w.dtype)
+    bias = torch.randn(N, device="cuda").to(w.dtype)
+    args = (packed.values, packed.metadata, N, K, bias, activation, False, False)
+    x[4, 30] = float("inf")
+    assert_same_nonfinite(gpu.linear_kernel(x, *args, packed.kernels), ieee_reference(x, w, bias, activation),
+                          w.dtype)
+    assert guard.tolist() == [0, 0, 0]
+    gpu.linear_kernel(x, *args, unchecked)
+    assert guard.tolist() == [0, 0, 0]
+    x[4, 30] = 1.0
+    assert_rel_close(gpu.linear_kernel(x, *args, packed.kernels), reference(x, w, bias, activation, False, False),
+                     w.dtype)
+
+
+@pytest.mark.parametrize("layout", [dict(x_transposed=True), dict(transpose_out=True)])
+def test_listed_and_met_nonfinite_inputs_in_the_other_layouts(layout):
+    """The GEMMs with x given as [K, rows] or y stored as [N, rows]: an all-zero group of
+    columns (listed by the guard: the pass reads it on every call) and columns the weight
+    stores (found after the epilogue raised the guard) both give dense's NaN and Inf."""
+    dtype = torch.float16
+    w = (n_m(N, K, 2, 4, torch.Generator().manual_seed(11)) / K ** 0.5).to(dtype).cuda()
+    w[:, 8:16] = 0                                    # one listed group of eight inputs
+    packed = gpu.CutlassSparse24Weight.from_dense(w)
+    assert nonfinite_guard.groups_of(guard_of(packed)).tolist() == [1]
+    kernel = runtime.ensure([KernelSpec(Family.SM90_SPARSE24, "float16", **layout)])
+    kernel = next(iter(kernel.values()))
+    rows = 24
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, K, generator=gen).to(dtype).cuda()
+    x[2, 11], x[5, 15], x[7, 40], x[7, 13] = float("nan"), float("inf"), -float("inf"), float("inf")
+    bias = torch.randn(N, generator=gen).to(dtype).cuda()
+    operand = x.t().contiguous() if layout.get("x_transposed") else x
+    y = torch.empty((N, rows) if layout.get("transpose_out") else (rows, N), dtype=dtype, device="cuda")
+    for _ in range(2):                                # the guard is lowered again after each call
+        kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), operand.data_ptr(), bias.data_ptr(),
+                    y.data_ptr(), N, rows, K, ACTIVATION_CODES["relu"], torch.cuda.current_stream().cuda_stream)
+        ref = ieee_reference(x, w, bias, "relu")
+        assert_same_nonfinite(y.t() if layout.get("transpose_out") else y, ref, dtype)
+        assert guard_of(packed)[:2].tolist() == [0, 0]
 
 
 def test_unchecked_sites_skip_the_pass(site, monkeypatch):

@@ -1,9 +1,11 @@
 """sparsecc.nonfinite_guard and the BSR packing's covered block columns: which inputs the NaN
-pass must read on every call (CPU; the kernels' use of the guard is tested in test_gpu_bsr.py)."""
+pass must read on every call, and where a 2:4 weight keeps its guard (CPU; the kernels' use
+of the guard is tested in test_gpu_bsr.py and test_gpu_bad_input.py)."""
 import pytest
 import torch
 
 from sparsecc.bsr_kernel import BsrKernelWeight
+from sparsecc import nonfinite_guard
 from sparsecc.errors import InputError
 from sparsecc.formats import BSRWeight, FormatError
 from sparsecc.nonfinite_guard import GROUP, HEADER_WORDS, cover_block_columns, groups_of, guard_words
@@ -54,3 +56,19 @@ def test_bsr_packing_covers_empty_block_columns_or_lists_them(cover, gen):
     assert groups_of(packed.guard).tolist() == ([] if cover else list(range(4, 8)))
     assert set(packed.col.tolist()) == ({0, 1, 2, 3} if cover else {0, 2, 3})
     assert torch.equal(packed.to_dense(), weight)
+
+
+def test_guard_after_2_4_metadata_starts_at_the_next_aligned_byte(gen):
+    """A 2:4 weight's guard follows CUTLASS's metadata at the next multiple of ALIGNMENT bytes,
+    the metadata unchanged, so that the GEMM finds it from the metadata's size alone."""
+    for size in (37, 48, 1):
+        metadata = torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8)
+        unmet = torch.zeros(64, dtype=torch.bool)
+        unmet[[9, 60]] = True
+        packed = nonfinite_guard.append_guard(metadata, unmet)
+        start = -(-size // nonfinite_guard.ALIGNMENT) * nonfinite_guard.ALIGNMENT
+        assert start % nonfinite_guard.ALIGNMENT == 0 and start >= size and packed.numel() == start + 4 * 5
+        assert torch.equal(packed[:size], metadata)
+        guard = nonfinite_guard.guard_after(packed, size)
+        assert guard.tolist() == [0, 0, 2, 1, 7]
+        assert torch.equal(nonfinite_guard.groups_of(guard), torch.tensor([1, 7], dtype=torch.int32))

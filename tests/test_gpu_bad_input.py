@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsecc import gpu, nonfinite_guard, runtime
-from sparsecc.codegen import Family, KernelSpec
+from sparsecc.codegen import Family, KernelSpec, Schedule
 from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import assert_rel_close, kernels_of_24_sites, n_m
@@ -25,8 +25,10 @@ N, K = 64, 128
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = kernels_of_24_sites([(N, K), (136, 544)], DTYPES)
 KERNELS += [launch.spec for dtype in DTYPES for _, launch in gpu.dispatch(Family.SM90_DENSE, dtype, N, K)]
-KERNELS += [KernelSpec(Family.SM90_SPARSE24, "float16", **layout) for layout in (dict(x_transposed=True),
-                                                                                  dict(transpose_out=True))]
+#: GEMMs other than the dispatched ones: the two other operand layouts and a pingpong kernel
+OTHER_KERNELS = [dict(x_transposed=True), dict(transpose_out=True),
+                 dict(tile=(128, 128, 128), schedule=Schedule.PINGPONG)]
+KERNELS += [KernelSpec(Family.SM90_SPARSE24, "float16", **layout) for layout in OTHER_KERNELS]
 
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["float16", "bfloat16"])
@@ -249,11 +251,12 @@ def test_guard_is_lowered_after_each_call_and_left_alone_unchecked(site, activat
                      w.dtype)
 
 
-@pytest.mark.parametrize("layout", [dict(x_transposed=True), dict(transpose_out=True)])
+@pytest.mark.parametrize("layout", OTHER_KERNELS, ids=["x_transposed", "transpose_out", "pingpong"])
 def test_listed_and_met_nonfinite_inputs_in_the_other_layouts(layout):
-    """The GEMMs with x given as [K, rows] or y stored as [N, rows]: an all-zero group of
-    columns (listed by the guard: the pass reads it on every call) and columns the weight
-    stores (found after the epilogue raised the guard) both give dense's NaN and Inf."""
+    """The GEMMs with x given as [K, rows] or y stored as [N, rows], and a pingpong GEMM (no
+    guard: its pass reads all of x): an all-zero group of columns (listed by the guard: the
+    pass reads it on every call) and columns the weight stores (found after the epilogue raised
+    the guard) both give dense's NaN and Inf."""
     dtype = torch.float16
     w = (n_m(N, K, 2, 4, torch.Generator().manual_seed(11)) / K ** 0.5).to(dtype).cuda()
     w[:, 8:16] = 0                                    # one listed group of eight inputs

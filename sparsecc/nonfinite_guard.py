@@ -16,9 +16,10 @@ costs as much as a large-batch sparse product itself, so the pass reads it only 
 
 With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
 a few int32 words kept after a site's metadata (templates/common.j2, ``guard_helpers``):
-``[flag, finished CTAs of the pass, group count, group...]``; the pass's last CTA lowers the
-flag for the next call. A site's guard belongs to its packed weight, so one packed weight must
-not run on two CUDA streams at the same time (as with any buffer a kernel writes).
+``[flag, finished CTAs of the pass, group count, group...]``; after a raised flag the pass's
+last CTA lowers it for the next call. A site's guard belongs to its packed weight, so one
+packed weight must not run on two CUDA streams at the same time (as with any buffer a kernel
+writes).
 
 The BSR kernels raise the flag from their own epilogue. The cooperative 2:4 GEMMs raise it from
 a node of CUTLASS's epilogue visitor tree (``NonfiniteProbe`` in

@@ -1,4 +1,4 @@
-"""The guard that keeps NaN and Inf exact after the 2:4 GEMMs and the wgmma BSR kernel at almost no cost.
+"""The guard that keeps NaN and Inf exact after the 2:4 GEMMs and the BSR kernels, cheaply.
 
 Dense ``F.linear`` multiplies every input by every weight, so a NaN or an infinity of ``x``
 makes NaN in every output whose weight is zero there (``0 * NaN = 0 * Inf = NaN``). The sparse
@@ -11,8 +11,9 @@ costs as much as a large-batch sparse product itself, so the pass reads it only 
   every input;
 - an input that no stored weight meets (a block column no block row stores, a column of a 2:4
   weight that is zero in every row) changes no sum: the guard lists those inputs, in groups of
-  :data:`GROUP`, and the pass tests them on every call. :func:`cover_block_columns` stores a block of zeros in each such column instead, so
-  that there is nothing to list (the default where the wgmma kernel runs the site).
+  :data:`GROUP`, and the pass tests them on every call. :func:`cover_block_columns` stores a
+  block of zeros in each such column instead, so that there is nothing to list (the default
+  where the wgmma kernel runs the site).
 
 With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
 a few int32 words kept after a site's metadata (templates/common.j2, ``guard_helpers``):
@@ -52,11 +53,17 @@ def guard_words(unmet: torch.Tensor) -> torch.Tensor:
     return torch.cat([header, groups])
 
 
+def _guard_start(metadata_bytes: int) -> int:
+    """Where a 2:4 weight's guard starts: the first multiple of :data:`ALIGNMENT` bytes at or
+    after the end of its metadata (the GEMM template's ``guard_of`` rounds the same way)."""
+    return -(-metadata_bytes // ALIGNMENT) * ALIGNMENT
+
+
 def append_guard(metadata: torch.Tensor, unmet: torch.Tensor) -> torch.Tensor:
     """``metadata`` (uint8, a 2:4 GEMM's, as CUTLASS's compressor wrote it) followed, at the next
     multiple of :data:`ALIGNMENT` bytes, by the guard of :func:`guard_words` for ``unmet``."""
     guard = guard_words(unmet)
-    start = -(-metadata.numel() // ALIGNMENT) * ALIGNMENT
+    start = _guard_start(metadata.numel())
     packed = metadata.new_zeros(start + 4 * guard.numel())
     packed[:metadata.numel()] = metadata
     packed[start:].view(torch.int32).copy_(guard)
@@ -66,8 +73,7 @@ def append_guard(metadata: torch.Tensor, unmet: torch.Tensor) -> torch.Tensor:
 def guard_after(metadata: torch.Tensor, metadata_bytes: int) -> torch.Tensor:
     """The guard words (int32 view) of a 2:4 GEMM's ``metadata`` made by :func:`append_guard`
     from ``metadata_bytes`` bytes of CUTLASS's metadata."""
-    start = -(-metadata_bytes // ALIGNMENT) * ALIGNMENT
-    return metadata[start:].view(torch.int32)
+    return metadata[_guard_start(metadata_bytes):].view(torch.int32)
 
 
 def groups_of(guard: torch.Tensor) -> torch.Tensor:

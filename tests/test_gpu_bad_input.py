@@ -236,7 +236,7 @@ def test_guard_is_lowered_after_each_call_and_left_alone_unchecked(site, activat
     the next call, on finite x, is exact. Unchecked, the epilogue has no flag to raise."""
     w, packed = site
     guard = guard_of(packed)
-    unchecked = ";".join(entry.rsplit(":", 1)[0] + f":{gpu.UNCHECKED_NONFINITE}" for entry in packed.kernels.split(";"))
+    unchecked = gpu.dispatch_string(gpu.dispatch(Family.SM90_SPARSE24, w.dtype, N, K), gpu.UNCHECKED_NONFINITE)
     x = torch.randn(9, K, device="cuda").to(w.dtype)
     bias = torch.randn(N, device="cuda").to(w.dtype)
     args = (packed.values, packed.metadata, N, K, bias, activation, False, False)

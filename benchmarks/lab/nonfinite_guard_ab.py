@@ -1,12 +1,12 @@
 """The 2:4 GEMM and the wgmma BSR kernel of the current templates against those of an earlier
 build, in one process (written for the non-finite guard, sparsecc.nonfinite_guard, against the
 pass that read all of x after every product; used since for later changes of the same kernels),
-each with NaN/Inf propagation on ("checked") and off ("unchecked"), against cuBLAS + ReLU; graph
-replay, fp16, linear + bias + ReLU. The earlier build's libraries are DIR/<symbol>.so (same entry
-points); a build without the guard ignores the words after the metadata. BSR weights are packed with their empty block columns covered by blocks of zeros
-(as compile packs them for the wgmma kernel); "current-listed" is the current kernel on the
-packing without them (the pass then reads those columns of x on every call). Writes
-nonfinite_guard_ab.json to $OUT.
+each with NaN/Inf propagation on ("checked") and off ("unchecked"), against cuBLAS + ReLU;
+graph replay, fp16, linear + bias + ReLU. The earlier build's libraries are DIR/<symbol>.so
+(same entry points); a build without the guard ignores the words after the metadata. BSR
+weights are packed with their empty block columns covered by blocks of zeros (as compile packs
+them for the wgmma kernel); "current-listed" is the current kernel on the packing without them
+(the pass then reads those columns of x on every call). Writes nonfinite_guard_ab.json to $OUT.
 
     OUT=/tmp python benchmarks/lab/nonfinite_guard_ab.py --previous DIR [--formats 2:4 bsr]
 """

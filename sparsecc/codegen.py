@@ -30,6 +30,7 @@ class Family(str, enum.Enum):
     SM80_DENSE = "gemm_sm80_dense"
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
     GEMV_MMA_SM90_SPARSE24 = "gemv_mma_sm90_sparse24"
+    GEMV_MMA_SM90_DENSE = "gemv_mma_sm90_dense"
     BSR_SM90 = "bsr_sm90"
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
     CSR_SM90 = "csr_sm90"
@@ -45,7 +46,8 @@ class Family(str, enum.Enum):
     @property
     def gemv(self) -> bool:
         """A memory-bound small-batch kernel (tile: warps, rows per warp, rows of x; for the
-        tensor-core one warps, units of 16 output features, blocks per cluster)."""
+        2:4 tensor-core one warps, units of 16 output features, blocks per cluster; for the
+        dense one warps, units of 16 output features, tiles of 8 rows of x)."""
         return self.value.startswith("gemv")
 
     @property
@@ -95,6 +97,9 @@ TILES = {
     Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
     # (warps per block, 16-feature units of W per block, blocks per cluster); 8 rows of x per block
     Family.GEMV_MMA_SM90_SPARSE24: {(w, u, c) for w in (4, 8) for u in (1, 2) for c in (1, 2, 4)},
+    # (warps per block, 16-feature units of W per block, 8-row tiles of x per block); the launch's
+    # splits are the blocks per cluster
+    Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not
 BSR_BLOCK_SIDES = (16, 32, 64, 128)
@@ -116,7 +121,7 @@ DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
-                Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1),
+                Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
                 Family.BSR_SM90: (64, 64, 1), Family.BSR_SM90_WGMMA: (64, 64, 128),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -221,6 +226,9 @@ class KernelSpec:
         if self.family is Family.GEMV_MMA_SM90_SPARSE24:
             w, u, c = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_c{c}"
+        if self.family is Family.GEMV_MMA_SM90_DENSE:
+            w, u, x = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_x{x}"
         if self.family.gemv:
             w, r, m = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_r{r}_m{m}"

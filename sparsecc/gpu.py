@@ -16,7 +16,7 @@ import torch
 
 from . import nonfinite_guard, runtime
 from .build import toolchain
-from .codegen import Family, KernelSpec, Schedule, Scheduler
+from .codegen import TILES, Family, KernelSpec, Schedule, Scheduler
 from .config import settings
 from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE, Activation
 from .errors import InputError, KernelBuildError, SparseccError
@@ -69,6 +69,9 @@ _CANDIDATES = {
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
     ],
+    # the dense small-batch kernel: every tiling, clusters of 1 to 8 blocks and the kernel's own pick (0)
+    Family.GEMV_MMA_SM90_DENSE: [(dict(tile=tile), dict(splits=splits))
+                                 for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in (0, 1, 2, 4, 8)],
 }
 
 
@@ -105,6 +108,12 @@ _DEFAULT_TABLE[Family.GEMV_MMA_SM90_SPARSE24] = {1: dict(tile=(8, 1, 1)), 8: dic
                                                  0: dict(tile=(8, 1, 1))}
 _BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE24: MMA_BUCKETS}
 
+#: a dense site's M buckets up to this bound may run on the dense small-batch kernel
+#: (templates/gemv_mma_sm90_dense) instead of the CUTLASS GEMM: where the tuning sweep measured
+#: it faster at the nearest shape; without measurements, up to the second bucket (M <= 16)
+SMALL_BATCH_DENSE_MAX_M = 128
+_DEFAULT_SMALL_BATCH_DENSE = Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, "float16"), splits=0)
+
 #: the largest batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core
 #: kernel (gemv) up to GEMV_MAX_M, the tensor-core one up to MMA_MAX_M, the CUTLASS GEMMs
 #: above. Measured on an H100 (benchmarks/decode.py, 2026-11-23, six shapes, fp16 and bf16):
@@ -117,13 +126,23 @@ MMA_MAX_M = 8
 
 def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features: int) -> list[tuple[int, Launch]]:
     """The launch to use per M bucket for a weight of this shape: the measured best at the
-    nearest measured shape (sparsecc/tuning.json), or the defaults above."""
-    from .tuning import best_launch
+    nearest measured shape (sparsecc/tuning.json), or the defaults above. A dense weight's
+    small buckets take the faster of the CUTLASS GEMM and the small-batch kernel."""
+    from .tuning import best_entry
     name = str(dtype).replace("torch.", "")
     table = []
     for bound, m in _BUCKETS.get(family, M_BUCKETS):
-        launch = best_launch(family, name, m, out_features, in_features)
-        table.append((bound, launch or Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))))
+        families = [family]
+        if family is Family.SM90_DENSE and 0 < bound <= SMALL_BATCH_DENSE_MAX_M:
+            families.append(Family.GEMV_MMA_SM90_DENSE)
+        measured = [entry for f in families for entry in [best_entry(f, name, m, out_features, in_features)] if entry]
+        if measured:
+            launch = min(measured, key=lambda entry: entry[1])[0]
+        elif family is Family.SM90_DENSE and 0 < bound <= M_BUCKETS[1][0]:
+            launch = Launch(_DEFAULT_SMALL_BATCH_DENSE.spec.with_(dtype=name), splits=0)
+        else:
+            launch = Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))
+        table.append((bound, launch))
     return table
 
 

@@ -42,6 +42,13 @@ def use(new_table: dict | None) -> None:
 
 def best_launch(family: Family, dtype: str, m: int, out_features: int, in_features: int):
     """The measured best launch for the nearest measured shape with this M, or None."""
+    best = best_entry(family, dtype, m, out_features, in_features)
+    return best[0] if best else None
+
+
+def best_entry(family: Family, dtype: str, m: int, out_features: int, in_features: int):
+    """``(launch, microseconds)`` of the measured best launch at the nearest measured shape with
+    this M, or None: the time lets families measured in one sweep be compared."""
     from .gpu import Launch
     entries = [e for e in table()["entries"] if e["family"] == family.value and e["M"] == m]
     own = [e for e in entries if e["dtype"] == dtype]
@@ -54,7 +61,7 @@ def best_launch(family: Family, dtype: str, m: int, out_features: int, in_featur
 
     best = min(entries, key=distance)
     spec = dict(best["spec"], dtype=dtype)
-    return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=best["splits"])
+    return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=best["splits"]), best["us"]
 
 
 def winners(rows: list[dict]) -> list[dict]:

@@ -20,16 +20,24 @@ def session_specs(sweep=("float16", "bfloat16")) -> list[KernelSpec]:
     for name in sweep:
         candidates = gpu.candidate_specs(getattr(torch, name))
         specs += sorted(candidates, key=lambda s: s.scheduler is not Scheduler.STREAMK)   # slowest first
-    for name in ("float16", "bfloat16"):
-        dtype = getattr(torch, name)
-        specs.append(KernelSpec(Family.SM90_COMPRESS24, name))
-        for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
-            for n, k in SHAPES:
-                specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
+    specs += dispatched_specs(SHAPES)
     for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
         specs += [KernelSpec(family, "float16", x_transposed=True), KernelSpec(family, "float16", transpose_out=True)]
     for name in ("float16", "bfloat16"):          # the small-batch kernels: every tiling decode.py measures
         specs += [launch.spec for launch in gpu.gemv_candidates(getattr(torch, name)) + gpu.mma_candidates(getattr(torch, name))]
+    return list(dict.fromkeys(specs))
+
+
+def dispatched_specs(shapes) -> list[KernelSpec]:
+    """What benchmarks/kernels.py runs without a sweep: the compressors and every launch the
+    dispatch tables (2:4 and dense) name for these [N, K] shapes, in both dtypes."""
+    specs = []
+    for name in ("float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        specs.append(KernelSpec(Family.SM90_COMPRESS24, name))
+        for family in (Family.SM90_SPARSE24, Family.SM90_DENSE):
+            for n, k in shapes:
+                specs += [launch.spec for _, launch in gpu.dispatch(family, dtype, n, k)]
     return list(dict.fromkeys(specs))
 
 

@@ -2,7 +2,8 @@
 
 - ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` (the baseline),
 - ``torch-semi-structured``: ``to_sparse_semi_structured`` (cuSPARSELt) then ``relu``,
-- ``sparsecc-dense``: sparsecc's dense CUTLASS kernel, epilogue fused,
+- ``sparsecc-dense``: sparsecc's dense kernels, epilogue fused (its M dispatch table: the
+  small-batch tensor-core kernel where the sweep measured it faster, the CUTLASS GEMM elsewhere),
 - ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
 - ``sparsecc-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
 - ``sparsecc-nonfinite-pass``: the part of ``sparsecc`` that makes NaN and Inf of x propagate
@@ -17,7 +18,7 @@ reference (``rel_err``). Extra keys: ``config`` (launch label) and ``launch`` (i
 knobs) on per-config rows, ``error`` when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
 and a plot beside it.
 
-    python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH]
+    python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH] [--dense-only] [--ms 1 16]
     python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
     python benchmarks/kernels.py --csr [kernels_csr.py options]    # the unstructured kernel
 """
@@ -66,8 +67,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--sweep-ms", nargs="*", type=int, default=MS, help="batch sizes the sweep measures")
     parser.add_argument("--tuning-out", help="write the winning launches here (a tuning table)")
+    parser.add_argument("--dense-only", action="store_true", help="the dense kernels and cuBLAS alone")
+    parser.add_argument("--ms", nargs="*", type=int, help="batch sizes measured (default: all)")
     args = parser.parse_args(argv)
     shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (SHAPES, MS)
+    ms = [m for m in ms if args.ms is None or m in args.ms]
+    families = [Family.SM90_DENSE, Family.GEMV_MMA_SM90_DENSE] + ([] if args.dense_only else [Family.SM90_SPARSE24])
     result = environment("kernels")
     result["dispatch"] = "tuning table (packaged, updated by this run's sweep)" if tuning.table()["entries"] else "defaults"
     gen = torch.Generator().manual_seed(0)
@@ -76,9 +81,10 @@ def main(argv=None) -> dict:
         weights = {}
         for n, k in shapes:
             w = two_four(n, k, dtype, gen)
-            weights[(n, k)] = (w, torch.randn(n, generator=gen).to(dtype).cuda(), gpu.CutlassSparse24Weight.from_dense(w))
+            bias = torch.randn(n, generator=gen).to(dtype).cuda()
+            weights[(n, k)] = (w, bias, None if args.dense_only else gpu.CutlassSparse24Weight.from_dense(w))
         if name in args.sweep:              # 1: every candidate launch; the winners become the dispatch tables
-            launches = gpu.candidates(Family.SM90_SPARSE24, dtype) + gpu.candidates(Family.SM90_DENSE, dtype)
+            launches = [launch for family in families for launch in gpu.candidates(family, dtype)]
             runtime.ensure([launch.spec for launch in launches])
             for (n, k), (w, bias, packed) in weights.items():
                 for m in [m for m in ms if m in args.sweep_ms]:
@@ -86,15 +92,17 @@ def main(argv=None) -> dict:
                     ref = torch.relu(x.float() @ w.float().t() + bias.float())
                     base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
                     for launch in launches:
-                        result["rows"].append(measure_launch(launch, x, w, bias, packed, ref, base))
+                        if launch.spec.family is not Family.GEMV_MMA_SM90_DENSE or m <= gpu.SMALL_BATCH_DENSE_MAX_M:
+                            result["rows"].append(measure_launch(launch, x, w, bias, packed, ref, base))
             tuning.use(merged_table(result["rows"]))
         tables = {(family, n, k): gpu.dispatch(family, dtype, n, k)
-                  for family in (Family.SM90_SPARSE24, Family.SM90_DENSE) for n, k in shapes}
+                  for family in families if family is not Family.GEMV_MMA_SM90_DENSE for n, k in shapes}
         runtime.ensure([launch.spec for table in tables.values() for _, launch in table])
         for (n, k), (w, bias, packed) in weights.items():   # 2: what a user runs, with those tables
-            sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
             dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
-            unchecked_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], UNCHECKED_NONFINITE)
+            if not args.dense_only:
+                sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
+                unchecked_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], UNCHECKED_NONFINITE)
             try:
                 from torch.sparse import to_sparse_semi_structured
                 w_semi = to_sparse_semi_structured(w)
@@ -111,7 +119,9 @@ def main(argv=None) -> dict:
                     "sparsecc-unchecked": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias,
                                                                     "relu", False, False, unchecked_table),
                 }
-                if not isinstance(w_semi, Exception):
+                if args.dense_only:
+                    impls = {impl: impls[impl] for impl in ("cublas", "sparsecc-dense")}
+                elif not isinstance(w_semi, Exception):
                     impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
                 base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
                 point = []
@@ -125,8 +135,9 @@ def main(argv=None) -> dict:
                     except Exception as error:  # noqa: BLE001
                         row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
                     point.append(row)
-                point.append(measure_nonfinite_pass(x, packed, sparse_table, base))
-                if isinstance(w_semi, Exception):
+                if not args.dense_only:
+                    point.append(measure_nonfinite_pass(x, packed, sparse_table, base))
+                if isinstance(w_semi, Exception) and not args.dense_only:
                     point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
                                   "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
                 result["rows"] += point

@@ -112,7 +112,6 @@ _BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE
 #: (templates/gemv_mma_sm90_dense) instead of the CUTLASS GEMM: where the tuning sweep measured
 #: it faster at the nearest shape; without measurements, up to the second bucket (M <= 16)
 SMALL_BATCH_DENSE_MAX_M = 128
-_DEFAULT_SMALL_BATCH_DENSE = Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, "float16"), splits=0)
 
 #: the largest batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core
 #: kernel (gemv) up to GEMV_MAX_M, the tensor-core one up to MMA_MAX_M, the CUTLASS GEMMs
@@ -139,7 +138,7 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
         if measured:
             launch = min(measured, key=lambda entry: entry[1])[0]
         elif family is Family.SM90_DENSE and 0 < bound <= M_BUCKETS[1][0]:
-            launch = Launch(_DEFAULT_SMALL_BATCH_DENSE.spec.with_(dtype=name), splits=0)
+            launch = Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, name), splits=0)   # its default tile
         else:
             launch = Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))
         table.append((bound, launch))

@@ -40,12 +40,6 @@ def use(new_table: dict | None) -> None:
     _override = new_table
 
 
-def best_launch(family: Family, dtype: str, m: int, out_features: int, in_features: int):
-    """The measured best launch for the nearest measured shape with this M, or None."""
-    best = best_entry(family, dtype, m, out_features, in_features)
-    return best[0] if best else None
-
-
 def best_entry(family: Family, dtype: str, m: int, out_features: int, in_features: int):
     """``(launch, microseconds)`` of the measured best launch at the nearest measured shape with
     this M, or None: the time lets families measured in one sweep be compared."""

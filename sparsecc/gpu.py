@@ -131,13 +131,12 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
     name = str(dtype).replace("torch.", "")
     table = []
     for bound, m in _BUCKETS.get(family, M_BUCKETS):
-        families = [family]
-        if family is Family.SM90_DENSE and 0 < bound <= SMALL_BATCH_DENSE_MAX_M:
-            families.append(Family.GEMV_MMA_SM90_DENSE)
+        small_dense = family is Family.SM90_DENSE and 0 < bound <= SMALL_BATCH_DENSE_MAX_M
+        families = [family, Family.GEMV_MMA_SM90_DENSE] if small_dense else [family]
         measured = [entry for f in families for entry in [best_entry(f, name, m, out_features, in_features)] if entry]
         if measured:
             launch = min(measured, key=lambda entry: entry[1])[0]
-        elif family is Family.SM90_DENSE and 0 < bound <= M_BUCKETS[1][0]:
+        elif small_dense and bound <= M_BUCKETS[1][0]:
             launch = Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, name), splits=0)   # its default tile
         else:
             launch = Launch(KernelSpec(family, name, **_DEFAULT_TABLE[family][bound]))

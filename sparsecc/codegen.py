@@ -95,10 +95,9 @@ TILES = {
     Family.SM80_DENSE: {(128, 128, 32), (128, 64, 32), (64, 128, 32)},
     # (warps per block, output features per warp, rows of x per block)
     Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
-    # (warps per block, 16-feature units of W per block, blocks per cluster); 8 rows of x per block
-    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, c) for w in (4, 8) for u in (1, 2) for c in (1, 2, 4)},
-    # (warps per block, 16-feature units of W per block, 8-row tiles of x per block); the launch's
-    # splits are the blocks per cluster
+    # the tensor-core small-batch kernels: (warps per block, 16-feature units of W per block,
+    # 8-row tiles of x per block); the launch's splits are the blocks per cluster
+    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
     Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not
@@ -223,10 +222,7 @@ class KernelSpec:
         if self.family.csr:
             n, m, capacity = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}"
-        if self.family is Family.GEMV_MMA_SM90_SPARSE24:
-            w, u, c = self.tile
-            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_c{c}"
-        if self.family is Family.GEMV_MMA_SM90_DENSE:
+        if self.family in (Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_MMA_SM90_DENSE):
             w, u, x = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_x{x}"
         if self.family.gemv:

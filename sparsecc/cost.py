@@ -314,7 +314,7 @@ class CostModel:
             if not self.uses_kernel(stats, spec):
                 return "nm-unpack"
             from .gpu import small_batch_family
-            return _SPARSE24_IMPL[small_batch_family(planned_m)]
+            return _SPARSE24_IMPL[small_batch_family(planned_m, stats.dtype, *stats.shape)]
         if spec.kind == "bsr" and self.uses_kernel(stats, spec):
             return "bsr-kernel"
         if spec.kind == "bsr":

@@ -102,10 +102,11 @@ GEMV_BUCKETS = ((1, 1), (4, 4), (16, 16), (0, 16))
 _DEFAULT_TABLE[Family.GEMV_SM90_SPARSE24] = {1: dict(tile=(4, 2, 1)), 4: dict(tile=(4, 2, 4)),
                                              16: dict(tile=(4, 2, 16)), 0: dict(tile=(4, 2, 16))}
 
-#: the tensor-core small-batch kernel: each block takes 8 rows of x (more rows, more blocks)
-MMA_BUCKETS = ((1, 1), (8, 8), (0, 8))
-_DEFAULT_TABLE[Family.GEMV_MMA_SM90_SPARSE24] = {1: dict(tile=(8, 1, 1)), 8: dict(tile=(8, 1, 1)),
-                                                 0: dict(tile=(8, 1, 1))}
+#: the tensor-core small-batch kernel: each block takes one or two tiles of 8 rows of x (more
+#: rows, more blocks, neighbours in the grid that read the same rows of W)
+MMA_BUCKETS = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (0, 64))
+_DEFAULT_TABLE[Family.GEMV_MMA_SM90_SPARSE24] = {bound: dict(tile=(8, 1, 1 if 0 < bound <= 8 else 2))
+                                                 for bound, _ in MMA_BUCKETS}
 _BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE24: MMA_BUCKETS}
 
 #: a dense site's M buckets up to this bound may run on the dense small-batch kernel
@@ -113,14 +114,18 @@ _BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE
 #: it faster at the nearest shape; without measurements, up to the second bucket (M <= 16)
 SMALL_BATCH_DENSE_MAX_M = 128
 
-#: the largest batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core
-#: kernel (gemv) up to GEMV_MAX_M, the tensor-core one up to MMA_MAX_M, the CUTLASS GEMMs
-#: above. Measured on an H100 (benchmarks/decode.py, 2026-11-23, six shapes, fp16 and bf16):
+#: the batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core kernel
+#: (gemv) up to GEMV_MAX_M; the tensor-core one above, up to MMA_MAX_M, where the tuning table
+#: measured it faster than the 2:4 GEMM at the nearest shape (benchmarks/decode.py times both
+#: at M = 8, 16, 32 and 64), and without measurements up to MMA_DEFAULT_MAX_M; the CUTLASS GEMMs
+#: elsewhere. Measured on an H100 (benchmarks/decode.py, 2026-11-23, six shapes, fp16 and bf16):
 #: at M=1 the gemv kernel is 1.6-2.1x faster than cuBLAS, the tensor-core kernel 1.56-1.81x
 #: (slower than gemv on 1-16 MB weights: its partial sums meet across warps); at M=4 and 8 the
-#: tensor-core kernel is 1.49-1.77x faster than cuBLAS, the GEMMs 0.64-1.4x
+#: tensor-core kernel is 1.49-1.77x faster than cuBLAS, the GEMMs 0.64-1.4x; from M=16 on, the
+#: GEMMs win on the largest weights and the tensor-core kernel on the small ones
 GEMV_MAX_M = 1
-MMA_MAX_M = 8
+MMA_MAX_M = MMA_BUCKETS[-2][0]
+MMA_DEFAULT_MAX_M = 8
 
 
 def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features: int) -> list[tuple[int, Launch]]:
@@ -156,7 +161,7 @@ def kernel_tile(family: Family, dtype: torch.dtype, out_features: int, in_featur
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     """Every kernel a plan's CUDA sites need, per architecture: for sm_90a each M bucket's
     kernel of every 2:4 site the kernels take (the small-batch kernels for a site planned at
-    M <= MMA_MAX_M, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
+    M where small_batch_family picks them, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
     the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time.
     A CSR site's kernels depend on its fullest tile, which the plan does not record: it gets
     those of every tile capacity its density may need (the expected fullest tile and above)."""
@@ -176,7 +181,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
                       for _, launch in csr_kernel.dispatch(dtype, capacity)]
         if choice != NM_2_4 or shape_supported(*site.shape, dtype):
             continue
-        small = small_batch_family(site.m)
+        small = small_batch_family(site.m, site.dtype, *site.shape)
         if "sm_90a" in archs and small is not None:
             specs += [launch.spec for _, launch in dispatch(small, getattr(torch, site.dtype), *site.shape)]
         elif "sm_90a" in archs:
@@ -249,18 +254,32 @@ def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> 
     return None
 
 
-def small_batch_family(m: int | None) -> Family | None:
-    """The small-batch kernel family a 2:4 site planned for ``m`` rows runs on, or None (the GEMMs)."""
+def small_batch_family(m: int | None, dtype: torch.dtype | str, out_features: int, in_features: int) -> Family | None:
+    """The small-batch kernel family a 2:4 site of this dtype and shape planned for ``m`` rows
+    runs on, or None (the GEMMs): see :data:`GEMV_MAX_M` and :data:`MMA_MAX_M`."""
     if m is None or m > MMA_MAX_M:
         return None
-    return Family.GEMV_SM90_SPARSE24 if m <= GEMV_MAX_M else Family.GEMV_MMA_SM90_SPARSE24
-
-
-def mma_candidates(dtype: torch.dtype) -> list[Launch]:
-    """The tensor-core small-batch kernel's tilings benchmarks/decode.py measures."""
+    if m <= GEMV_MAX_M:
+        return Family.GEMV_SM90_SPARSE24
+    from .tuning import best_entry
     name = str(dtype).replace("torch.", "")
-    return [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, name, tile=(w, u, c)))
-            for w in (4, 8) for u in (1, 2) for c in (1, 2, 4)]
+    measured_at = next(measured for bound, measured in MMA_BUCKETS if m <= bound)
+    kernel_dtype = name in (str(d).replace("torch.", "") for d in KERNEL_DTYPES)
+    mma, gemm = (best_entry(family, name, measured_at, out_features, in_features) if kernel_dtype else None
+                 for family in (Family.GEMV_MMA_SM90_SPARSE24, Family.SM90_SPARSE24))
+    if mma and gemm:
+        return Family.GEMV_MMA_SM90_SPARSE24 if mma[1] <= gemm[1] else None
+    return Family.GEMV_MMA_SM90_SPARSE24 if m <= MMA_DEFAULT_MAX_M else None
+
+
+def mma_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
+    """The tensor-core small-batch kernel's launches benchmarks/decode.py measures: every tiling
+    (or, for batch size ``m``, those whose tiles of x it fills) with clusters of 1 to 8 blocks
+    and the kernel's own pick (0)."""
+    name = str(dtype).replace("torch.", "")
+    tiles = sorted(t for t in TILES[Family.GEMV_MMA_SM90_SPARSE24] if m is None or 8 * (t[2] - 1) < m)
+    return [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, name, tile=tile), splits=splits)
+            for tile in tiles for splits in (0, 1, 2, 4, 8)]
 
 
 def gemv_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
@@ -430,11 +449,11 @@ SMALL_BATCH_WEIGHTS = {cls.family: cls for cls in (Sparse24GemvWeight, Sparse24M
 
 
 def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
-    """The 2:4 layout for a site that runs with ``m`` rows: the small-batch kernels up to
-    :data:`MMA_MAX_M` (memory-bound: they read 9/16 of the dense bytes; CUDA cores up to
-    :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs above. Every layout serves
-    every batch size; each is fastest in its own range."""
-    small = small_batch_family(m)
+    """The 2:4 layout for a site that runs with ``m`` rows: a small-batch kernel's where
+    :func:`small_batch_family` picks one (memory-bound: they read 9/16 of the dense bytes; CUDA
+    cores up to :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs' elsewhere. Every
+    layout serves every batch size; each is fastest in its own range."""
+    small = small_batch_family(m, weight.dtype, *weight.shape)
     packing = SMALL_BATCH_WEIGHTS[small] if small is not None else CutlassSparse24Weight
     return packing.from_dense(weight, progress=progress)
 

@@ -58,11 +58,20 @@ def best_entry(family: Family, dtype: str, m: int, out_features: int, in_feature
     return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=best["splits"]), best["us"]
 
 
-def winners(rows: list[dict]) -> list[dict]:
-    """Tuning entries from benchmark rows: per (family, dtype, M, N, K), the fastest launch."""
+#: the relative error against the fp32 reference above which a benchmark row's launch computed
+#: a wrong result and never becomes a tuning entry, however fast
+MAX_REL_ERR = {"float16": 3e-3, "bfloat16": 1e-2}
+
+
+def winners(rows: list[dict], impls=("sparsecc-config",)) -> list[dict]:
+    """Tuning entries from benchmark rows of these impls (each with its ``launch``): per
+    (family, dtype, M, N, K), the fastest launch whose result was right (``rel_err`` within
+    :data:`MAX_REL_ERR`)."""
     best: dict[tuple, dict] = {}
     for row in rows:
-        if row.get("impl") != "sparsecc-config" or not row.get("us"):
+        if row.get("impl") not in impls or not row.get("us"):
+            continue
+        if row.get("rel_err") is None or not row["rel_err"] <= MAX_REL_ERR.get(row["dtype"], 0.0):
             continue
         key = (row["launch"]["spec"]["family"], row["dtype"], row["M"], row["N"], row["K"])
         if key not in best or row["us"] < best[key]["us"]:

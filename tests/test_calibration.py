@@ -259,7 +259,7 @@ def test_the_gpu_probes_kernels_are_listed_for_one_parallel_build():
             continue
         dtype, spec = getattr(torch, p.dtype), FormatSpec.parse(p.format)
         if p.format == "2:4":
-            small = gpu.small_batch_family(p.m)       # CUDA cores at M=1, tensor cores to M=8
+            small = gpu.small_batch_family(p.m, p.dtype, p.n, p.k)   # CUDA cores at M=1, then tensor cores
             needed |= ({launch.spec for _, launch in gpu.dispatch(small, dtype, p.n, p.k)} if small else
                        {KernelSpec(Family.SM90_COMPRESS24, p.dtype)}
                        | {launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, dtype, p.n, p.k)})

@@ -112,7 +112,7 @@ def _pruned_model(dtype=torch.float16):
 
 
 @pytest.mark.parametrize("rows, expected", [
-    (64, {Family.SM90_COMPRESS24, Family.SM90_SPARSE24, Family.SM80_SPARSE24}),
+    (128, {Family.SM90_COMPRESS24, Family.SM90_SPARSE24, Family.SM80_SPARSE24}),  # past the small-batch kernels
     (1, {Family.GEMV_SM90_SPARSE24, Family.SM80_SPARSE24}),       # decode: the gemv kernels
     (4, {Family.GEMV_MMA_SM90_SPARSE24, Family.SM80_SPARSE24}),   # batched decode: the tensor-core ones
 ])

@@ -60,3 +60,59 @@ def test_without_measurements_small_dense_batches_use_the_small_batch_kernel():
     assert families[1] is families[16] is Family.GEMV_MMA_SM90_DENSE
     assert families[128] is families[2048] is families[0] is Family.SM90_DENSE
     assert all(launch.spec.dtype == "bfloat16" for _, launch in table)
+
+
+def test_tensor_core_small_batch_launches_fill_their_tiles_of_x():
+    """The 2:4 tensor-core kernel's candidates for a batch take no 16-row tile of x it would leave
+    half empty; without measurements, its buckets above 8 rows use the 16-row tile."""
+    for m, tiles_of_x in ((1, {1}), (8, {1}), (9, {1, 2}), (64, {1, 2}), (None, {1, 2})):
+        launches = gpu.mma_candidates(torch.float16, m)
+        assert {launch.spec.tile[2] for launch in launches} == tiles_of_x, m
+        assert {launch.splits for launch in launches} == {0, 1, 2, 4, 8}
+    tuning.use({"entries": []})
+    try:
+        table = gpu.dispatch(Family.GEMV_MMA_SM90_SPARSE24, torch.float16, 4096, 4096)
+    finally:
+        tuning.use(None)
+    assert {bound: launch.spec.tile[2] for bound, launch in table} == {1: 1, 8: 1, 16: 2, 32: 2, 64: 2, 0: 2}
+
+
+def test_24_small_batches_take_the_tensor_core_kernel_where_it_measured_faster():
+    """Above one row, a 2:4 site runs on the tensor-core small-batch kernel where the table has
+    it faster than the 2:4 GEMM at the batch's bucket and the nearest shape, else on the GEMM;
+    unmeasured, up to MMA_DEFAULT_MAX_M rows. One row is the CUDA-core kernel's, past MMA_MAX_M
+    the GEMM's."""
+    mma = gpu.Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, "float16", tile=(8, 1, 2)), splits=0)
+    gemm = gpu.Launch(KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 64, 128)))
+    rng = torch.Generator().manual_seed(1)
+    fast, slow = sorted(float(v) for v in torch.rand(2, generator=rng) * 30 + 5)
+    small, large = (768, 3072), (11008, 4096)
+    tuning.use({"entries": [entry(mma, 16, *small, fast), entry(gemm, 16, *small, slow),
+                            entry(mma, 16, *large, slow), entry(gemm, 16, *large, fast)]})
+    try:
+        family = {(m, shape): gpu.small_batch_family(m, torch.float16, *shape)
+                  for m in (1, 4, 9, 16, 17, 65) for shape in (small, large, (800, 3000))}
+    finally:
+        tuning.use(None)
+    assert {family[1, s] for s in (small, large)} == {Family.GEMV_SM90_SPARSE24}
+    assert family[9, small] is family[16, small] is family[16, (800, 3000)] is Family.GEMV_MMA_SM90_SPARSE24
+    assert family[9, large] is family[16, large] is None                 # the GEMM measured faster
+    assert family[4, large] is Family.GEMV_MMA_SM90_SPARSE24              # M = 8 unmeasured: the default
+    assert family[17, small] is None and family[65, small] is None        # M = 32 unmeasured; past the kernel's range
+
+
+def test_a_launch_with_a_wrong_result_never_wins():
+    """The fastest row per point becomes the entry, unless its result was wrong (relative error
+    over the dtype's tolerance, or not measured): then the fastest right one does."""
+    rng = torch.Generator().manual_seed(2)
+    fastest, fast, slow = sorted(float(v) for v in torch.rand(3, generator=rng) * 40 + 5)
+
+    def row(launch, us, rel_err, dtype="float16", impl="sparsecc-config"):
+        return {"impl": impl, "M": 16, "N": 4096, "K": 4096, "dtype": dtype, "us": us, "rel_err": rel_err,
+                "launch": {"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
+                           "splits": launch.splits}}
+    rows = [row(SMALL, fastest, 0.5), row(GEMM, fast, 1e-4), row(WIDE, slow, 2e-4),
+            row(SMALL, fastest, 5e-3, "bfloat16"), row(GEMM, slow, None, "bfloat16"),
+            row(WIDE, fastest, 1e-4, impl="cublas")]
+    found = {e["dtype"]: (e["spec"]["tile"], e["us"]) for e in tuning.winners(rows)}
+    assert found == {"float16": ([128, 64, 64], fast), "bfloat16": ([4, 2, 1], fastest)}

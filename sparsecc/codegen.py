@@ -46,9 +46,14 @@ class Family(str, enum.Enum):
     @property
     def gemv(self) -> bool:
         """A memory-bound small-batch kernel (tile: warps, rows per warp, rows of x; for the
-        2:4 tensor-core one warps, units of 16 output features, blocks per cluster; for the
-        dense one warps, units of 16 output features, tiles of 8 rows of x)."""
+        tensor-core ones warps, units of 16 output features, tiles of 8 rows of x)."""
         return self.value.startswith("gemv")
+
+    @property
+    def clustered(self) -> bool:
+        """A tensor-core small-batch kernel: its launch's ``splits`` are the blocks of a
+        cluster that split K (0: the kernel picks them for the shape it runs)."""
+        return self.value.startswith("gemv_mma")
 
     @property
     def bsr(self) -> bool:

@@ -42,7 +42,9 @@ def use(new_table: dict | None) -> None:
 
 def best_entry(family: Family, dtype: str, m: int, out_features: int, in_features: int):
     """``(launch, microseconds)`` of the measured best launch at the nearest measured shape with
-    this M, or None: the time lets families measured in one sweep be compared."""
+    this M, or None: the time lets families measured in one sweep be compared. A tensor-core
+    small-batch launch borrowed from another shape keeps its tiling but not its cluster size,
+    which depends on the shape (:attr:`Family.clustered`): the kernel picks that."""
     from .gpu import Launch
     entries = [e for e in table()["entries"] if e["family"] == family.value and e["M"] == m]
     own = [e for e in entries if e["dtype"] == dtype]
@@ -55,7 +57,10 @@ def best_entry(family: Family, dtype: str, m: int, out_features: int, in_feature
 
     best = min(entries, key=distance)
     spec = dict(best["spec"], dtype=dtype)
-    return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=best["splits"]), best["us"]
+    splits = best["splits"]
+    if family.clustered and (best["N"], best["K"]) != (out_features, in_features):
+        splits = 0           # blocks per cluster measured for another shape: the kernel picks for this one
+    return Launch(KernelSpec(**spec), swizzle=best["swizzle"], splits=splits), best["us"]
 
 
 #: the relative error against the fp32 reference above which a benchmark row's launch computed

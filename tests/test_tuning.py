@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparsecc import gpu, tuning
-from sparsecc.codegen import Family, KernelSpec
+from sparsecc.codegen import Family, KernelSpec, Scheduler
 
 
 def entry(launch: gpu.Launch, m: int, n: int, k: int, us: float) -> dict:
@@ -116,3 +116,24 @@ def test_a_launch_with_a_wrong_result_never_wins():
             row(WIDE, fastest, 1e-4, impl="cublas")]
     found = {e["dtype"]: (e["spec"]["tile"], e["us"]) for e in tuning.winners(rows)}
     assert found == {"float16": ([128, 64, 64], fast), "bfloat16": ([4, 2, 1], fastest)}
+
+
+def test_a_borrowed_small_batch_launch_leaves_the_cluster_size_to_the_kernel():
+    """A tensor-core small-batch launch keeps its measured blocks per cluster at the shape it was
+    measured at; at another shape it keeps the tiling and the kernel picks the cluster size
+    (splits 0). A GEMM's splits (stream-K) are kept wherever they are borrowed."""
+    mma = gpu.Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, "float16", tile=(4, 2, 1)), splits=2)
+    dense = gpu.Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, "float16", tile=(8, 1, 2)), splits=4)
+    streamk = gpu.Launch(KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 64, 128),
+                                    scheduler=Scheduler.STREAMK), splits=4)
+    tuning.use({"entries": [entry(launch, 16, 11008, 4096, 20.0) for launch in (mma, dense, streamk)]})
+    try:
+        at = {(launch.spec.family, shape): tuning.best_entry(launch.spec.family, "float16", 16, *shape)[0]
+              for launch in (mma, dense, streamk) for shape in ((11008, 4096), (8192, 2048))}
+    finally:
+        tuning.use(None)
+    for launch in (mma, dense, streamk):
+        assert at[launch.spec.family, (11008, 4096)] == launch
+        borrowed = at[launch.spec.family, (8192, 2048)]
+        assert borrowed.spec == launch.spec
+        assert borrowed.splits == (0 if launch.spec.family.clustered else launch.splits)

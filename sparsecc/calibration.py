@@ -535,7 +535,8 @@ def calibration_workloads(device: torch.device) -> list[Probe]:
         shapes = [(2048, 2048), (8192, 2048), (2048, 8192), (5120, 5120), (1024, 2048)]
         for n, k in shapes:
             probes += [Probe(n, k, "dense", 1.0, "dense", m) for m in (1, 8, 64, 512, 4096)]
-            probes += [Probe(n, k, "2:4", 0.5, "2:4", m) for m in (1, 4, 8, 16, 128, 1024, 4096)]
+            # 2:4 at every small-batch bucket of the tensor-core kernel (up to 64 rows) and beyond
+            probes += [Probe(n, k, "2:4", 0.5, "2:4", m) for m in (1, 4, 8, 16, 32, 64, 128, 1024, 4096)]
         for n, k in ((512, 2048), (3072, 1024), (1536, 1536), (4096, 512), (8192, 8192)):   # batch 1
             probes += [Probe(n, k, "dense", 1.0, "dense", 1), Probe(n, k, "2:4", 0.5, "2:4", 1)]
         for n, k in shapes[1:3]:

@@ -6,6 +6,7 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
 - ``llama-1b-prefill``: Llama-3.2-1B shapes, one sequence of 2048 tokens, 2:4;
 - ``llama-1b-decode``: the same model, one token (batch 1, no KV cache: the linear layers see
   M=1 exactly as in decoding; attention over a cache is left out), 2:4;
+- ``llama-1b-decode-b16``: the same, 16 sequences decoding together (batched decode: M=16), 2:4;
 - ``vit-b16``: batch 256, 90% block sparsity with 64x64 blocks. ViT never masks attention, but
   under ``torch.compile`` some ``transformers`` versions (5.17) still build an all-visible mask,
   and with a mask SDPA runs its fp32 math path (half of Inductor's time on an H100). The
@@ -43,6 +44,7 @@ CASES = {
     "bert-large": ("bert-large", 8, 512, "2:4"),
     "llama-1b-prefill": ("llama-1b", 1, 2048, "2:4"),
     "llama-1b-decode": ("llama-1b", 1, 1, "2:4"),
+    "llama-1b-decode-b16": ("llama-1b", 16, 1, "2:4"),
     "vit-b16": ("vit-b16", 256, 0, "block64x64@0.1"),
 }
 

@@ -44,6 +44,10 @@ def _launches(family: Family, dtype: str, entries) -> list[Launch]:
     return [Launch(KernelSpec(family, dtype, **config), **knobs) for config, knobs in entries]
 
 
+#: the tensor-core small-batch kernels' launch ``splits`` a sweep measures: clusters of 1, 2, 4
+#: and 8 blocks splitting K, and 0 (the kernel picks, templates/common.j2)
+CLUSTER_SPLITS = (0, 1, 2, 4, 8)
+
 #: every way of running each family that benchmarks/kernels.py measures to build the tuning table
 _CANDIDATES = {
     Family.SM90_SPARSE24: [
@@ -71,7 +75,7 @@ _CANDIDATES = {
     ],
     # the dense small-batch kernel: every tiling, clusters of 1 to 8 blocks and the kernel's own pick (0)
     Family.GEMV_MMA_SM90_DENSE: [(dict(tile=tile), dict(splits=splits))
-                                 for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in (0, 1, 2, 4, 8)],
+                                 for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in CLUSTER_SPLITS],
 }
 
 
@@ -279,7 +283,7 @@ def mma_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
     name = str(dtype).replace("torch.", "")
     tiles = sorted(t for t in TILES[Family.GEMV_MMA_SM90_SPARSE24] if m is None or 8 * (t[2] - 1) < m)
     return [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, name, tile=tile), splits=splits)
-            for tile in tiles for splits in (0, 1, 2, 4, 8)]
+            for tile in tiles for splits in CLUSTER_SPLITS]
 
 
 def gemv_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:

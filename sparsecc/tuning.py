@@ -68,15 +68,19 @@ def best_entry(family: Family, dtype: str, m: int, out_features: int, in_feature
 MAX_REL_ERR = {"float16": 3e-3, "bfloat16": 1e-2}
 
 
+def computed_right(row: dict) -> bool:
+    """Whether a benchmark row's launch computed the right result: its ``rel_err`` was measured
+    and is within :data:`MAX_REL_ERR` for its dtype."""
+    return row.get("rel_err") is not None and row["rel_err"] <= MAX_REL_ERR.get(row["dtype"], 0.0)
+
+
 def winners(rows: list[dict], impls=("sparsecc-config",)) -> list[dict]:
     """Tuning entries from benchmark rows of these impls (each with its ``launch``): per
     (family, dtype, M, N, K), the fastest launch whose result was right (``rel_err`` within
     :data:`MAX_REL_ERR`)."""
     best: dict[tuple, dict] = {}
     for row in rows:
-        if row.get("impl") not in impls or not row.get("us"):
-            continue
-        if row.get("rel_err") is None or not row["rel_err"] <= MAX_REL_ERR.get(row["dtype"], 0.0):
+        if row.get("impl") not in impls or not row.get("us") or not computed_right(row):
             continue
         key = (row["launch"]["spec"]["family"], row["dtype"], row["M"], row["N"], row["K"])
         if key not in best or row["us"] < best[key]["us"]:

@@ -102,7 +102,7 @@ TILES = {
     Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
     # the tensor-core small-batch kernels: (warps per block, 16-feature units of W per block,
     # 8-row tiles of x per block); the launch's splits are the blocks per cluster
-    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
+    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)},
     Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not

@@ -44,9 +44,11 @@ def _launches(family: Family, dtype: str, entries) -> list[Launch]:
     return [Launch(KernelSpec(family, dtype, **config), **knobs) for config, knobs in entries]
 
 
-#: the tensor-core small-batch kernels' launch ``splits`` a sweep measures: clusters of 1, 2, 4
-#: and 8 blocks splitting K, and 0 (the kernel picks, templates/common.j2)
-CLUSTER_SPLITS = (0, 1, 2, 4, 8)
+#: the tensor-core small-batch kernels' launch ``splits`` a sweep measures: clusters of 1 and 2
+#: blocks splitting K, and 0 (the kernel picks, templates/common.j2, up to 8). Clusters of 4 and 8
+#: won no point of the 2:4 and dense sweeps of 2026-11-25 (decode-*, kernels_dense_sweep-*) and
+#: were up to 10x slower where they lost; the kernel's own pick still reaches them.
+CLUSTER_SPLITS = (0, 1, 2)
 
 #: every way of running each family that benchmarks/kernels.py measures to build the tuning table
 _CANDIDATES = {
@@ -73,7 +75,7 @@ _CANDIDATES = {
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
     ],
-    # the dense small-batch kernel: every tiling, clusters of 1 to 8 blocks and the kernel's own pick (0)
+    # the dense small-batch kernel: every tiling, clusters of 1 and 2 blocks and the kernel's own pick (0)
     Family.GEMV_MMA_SM90_DENSE: [(dict(tile=tile), dict(splits=splits))
                                  for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in CLUSTER_SPLITS],
 }
@@ -122,11 +124,11 @@ SMALL_BATCH_DENSE_MAX_M = 128
 #: (gemv) up to GEMV_MAX_M; the tensor-core one above, up to MMA_MAX_M, where the tuning table
 #: measured it faster than the 2:4 GEMM at the nearest shape (benchmarks/decode.py times both
 #: at M = 8, 16, 32 and 64), and without measurements up to MMA_DEFAULT_MAX_M; the CUTLASS GEMMs
-#: elsewhere. Measured on an H100 (benchmarks/decode.py, 2026-11-23, six shapes, fp16 and bf16):
-#: at M=1 the gemv kernel is 1.6-2.1x faster than cuBLAS, the tensor-core kernel 1.56-1.81x
-#: (slower than gemv on 1-16 MB weights: its partial sums meet across warps); at M=4 and 8 the
-#: tensor-core kernel is 1.49-1.77x faster than cuBLAS, the GEMMs 0.64-1.4x; from M=16 on, the
-#: GEMMs win on the largest weights and the tensor-core kernel on the small ones
+#: elsewhere. Measured on an H100 (benchmarks/decode.py, 2026-11-25, six shapes, fp16 and bf16):
+#: at M=1 the gemv kernel is 1.78-3.04x faster than cuBLAS, the tensor-core kernel within 4% of
+#: it on the 90 MB weights and up to 1.4x slower on the 1-16 MB ones (its partial sums meet
+#: across warps); at M=4..32 the tensor-core kernel is 1.41-2.50x faster than cuBLAS and ahead
+#: of the GEMMs everywhere; at M=64 the GEMMs win on the 32-90 MB weights
 GEMV_MAX_M = 1
 MMA_MAX_M = MMA_BUCKETS[-2][0]
 MMA_DEFAULT_MAX_M = 8
@@ -278,7 +280,7 @@ def small_batch_family(m: int | None, dtype: torch.dtype | str, out_features: in
 
 def mma_candidates(dtype: torch.dtype, m: int | None = None) -> list[Launch]:
     """The tensor-core small-batch kernel's launches benchmarks/decode.py measures: every tiling
-    (or, for batch size ``m``, those whose tiles of x it fills) with clusters of 1 to 8 blocks
+    (or, for batch size ``m``, those whose tiles of x it fills) with clusters of 1 and 2 blocks
     and the kernel's own pick (0)."""
     name = str(dtype).replace("torch.", "")
     tiles = sorted(t for t in TILES[Family.GEMV_MMA_SM90_SPARSE24] if m is None or 8 * (t[2] - 1) < m)

@@ -5,7 +5,7 @@ import torch
 
 from sparsecc import calibration as calib
 from sparsecc.analysis import analyze
-from sparsecc.cost import BUCKETS, CostModel, exact_candidates, format_nbytes
+from sparsecc.cost import BUCKETS, DENSE_MARGIN, MIN_GAIN_US, CostModel, exact_candidates, format_nbytes
 from sparsecc.errors import InputError
 from sparsecc.formats import FormatSpec, pack
 
@@ -99,14 +99,18 @@ def _h100(**kwargs):
     return CostModel("cuda", measure=False, kernels_unavailable=None, calibration=calib.for_device("cuda"), **kwargs)
 
 
-def test_small_24_matmul_where_24_loses_stays_dense_with_the_reason(gen):
-    stats = analyze(n_m(768, 3072, 2, 4, gen).half())        # measured on the H100: 2:4 loses at M=16
+def test_small_24_matmul_where_24_gains_too_little_stays_dense_with_the_reason(gen):
+    """768x3072 at M=16 on the H100: the 2:4 small-batch kernel and sparsecc's dense one are
+    within about a microsecond (decode-*, kernels-* of 2026-11-25), under the margin a sparse
+    choice needs (DENSE_MARGIN and MIN_GAIN_US): dense stays, and the reason says why."""
+    stats = analyze(n_m(768, 3072, 2, 4, gen).half())
     decision = _h100().decide(stats, 16, None)
     assert str(decision.choice) == "dense"
     assert "dense stays" in decision.reason or "dense is fastest" in decision.reason
     assert "calibration of NVIDIA H100" in decision.reason
     by_format = {p.format: p.us for p in decision.candidates}
-    assert by_format["2:4"] > 0.9 * by_format["dense"]
+    gain = by_format["dense"] - by_format["2:4"]
+    assert gain < MIN_GAIN_US["cuda"] or by_format["2:4"] > DENSE_MARGIN * by_format["dense"]
 
 
 def test_forced_24_says_where_it_runs(gen):

@@ -391,17 +391,19 @@ class CostModel:
             spec = min(pool, key=lambda s: worst_ratio[s])
             return Decision(spec, f"formats restricts the choice to {[str(s) for s in allowed]}; {spec} fits "
                                   f"exactly (predicted {by_name[str(spec)].us:.1f} us at M={at_m})"
-                                  + self._where_it_runs(stats, spec), predictions, buckets)
+                                  + self._where_it_runs(stats, spec, planned_m), predictions, buckets)
         shortlist = sorted((s for s in pool if worst_ratio[s] <= SHORTLIST_FACTOR), key=worst_ratio.get)
         shortlist = list(dict.fromkeys([*shortlist[:SHORTLIST_MAX], DENSE]))
         if self.measure and measure_sites is not None and self.objective == "latency" and len(shortlist) > 1:
             return self._choose_by_timing(stats, shortlist, times, predictions, buckets,
                                           self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m)),
-                                          at_m, where)
+                                          at_m, where, planned_m)
         spec, why = self._choose(pool, times, worst_ratio, predictions)
-        return Decision(spec, f"{why}{self._where_it_runs(stats, spec)} at {where} ({self.source})", predictions, buckets)
+        return Decision(spec, f"{why}{self._where_it_runs(stats, spec, planned_m)} at {where} ({self.source})",
+                        predictions, buckets)
 
-    def _choose_by_timing(self, stats, shortlist, times, predictions, buckets, measured, at_m, where) -> Decision:
+    def _choose_by_timing(self, stats, shortlist, times, predictions, buckets, measured, at_m, where,
+                          planned_m) -> Decision:
         """The choice by timing (see the module docstring): the fastest of the shortlist."""
         measured = {FormatSpec.parse(str(s)): us for s, us in measured.items()}
         for p in predictions:
@@ -414,7 +416,8 @@ class CostModel:
         if spec.kind != "dense" and measured[spec] > margin * measured[DENSE]:
             return Decision(DENSE, f"dense stays: {spec} was timed fastest but not {1 - margin:.0%} "
                                    f"ahead of dense; {why}", predictions, buckets)
-        return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec)}; {why}", predictions, buckets)
+        return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec, planned_m)}; {why}",
+                        predictions, buckets)
 
     def site_timer(self, weight: torch.Tensor, stats: WeightStats):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
@@ -424,13 +427,19 @@ class CostModel:
                               planned_m=planned_m)
         return measure
 
-    def _where_it_runs(self, stats: WeightStats, spec: FormatSpec) -> str:
-        """For a sparse choice on the GPU, the part of the reason that says which code runs it."""
+    def _where_it_runs(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None = None) -> str:
+        """For a sparse choice on the GPU, the part of the reason that says which code runs it
+        (for 2:4, also the small-batch kernel that takes the planned batch, where one does)."""
         if spec.kind not in ("nm", "bsr", "csr") or self.device.type != "cuda":
             return ""
         if self.uses_kernel(stats, spec):
-            return {"nm": "; runs on sparsecc's sm90 2:4 CUTLASS kernel",
-                    "bsr": "; runs on sparsecc's BSR kernel (tensor cores)",
+            if spec.kind == "nm":
+                from .gpu import small_batch_family
+                family = small_batch_family(planned_m, stats.dtype, *stats.shape)
+                small = {Family.GEMV_SM90_SPARSE24: "CUDA cores", Family.GEMV_MMA_SM90_SPARSE24: "tensor cores"}
+                return (f"; runs on sparsecc's sm90 2:4 small-batch kernel on {small[family]} (the CUTLASS kernel at "
+                        "batches it does not take)" if family else "; runs on sparsecc's sm90 2:4 CUTLASS kernel")
+            return {"bsr": "; runs on sparsecc's BSR kernel (tensor cores)",
                     "csr": "; runs on sparsecc's CSR kernel (sparse loads, tensor cores)"}[spec.kind]
         return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or self._kernel_refuses(stats, spec)}"
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparsecc import calibration as calib
+from sparsecc import gpu
 from sparsecc.analysis import analyze
 from sparsecc.cost import BUCKETS, DENSE_MARGIN, MIN_GAIN_US, CostModel, exact_candidates, format_nbytes
 from sparsecc.errors import InputError
@@ -130,6 +131,22 @@ def test_large_24_matmul_runs_on_the_24_kernel(gen):
     assert str(decision.choice) == "2:4" and "sparsecc's sm90 2:4 CUTLASS kernel" in decision.reason
     by_format = {p.format: p.us for p in decision.candidates}
     assert by_format["2:4"] < 0.9 * by_format["dense"]
+
+
+def test_24_reason_names_the_kernel_the_planned_batch_runs_on(gen):
+    """A 2:4 site's reason names the kernel its planned batch takes: the CUDA-core small-batch
+    kernel at M=1, the tensor-core one where the tuning table has it ahead of the GEMM (M=16 on
+    4096x4096), the CUTLASS GEMM at M=2048, each as gpu.small_batch_family picks."""
+    weight = torch.randn(4096, 4096, generator=gen).half() * n_m(4096, 4096, 2, 4, gen).ne(0)
+    stats = analyze(weight)
+    says = {1: "small-batch kernel on CUDA cores", 16: "small-batch kernel on tensor cores",
+            2048: "sparsecc's sm90 2:4 CUTLASS kernel at M=2048"}
+    for m, phrase in says.items():
+        family = gpu.small_batch_family(m, torch.float16, 4096, 4096)
+        assert (family is None) == (m == 2048), m
+        decision = _h100().decide(stats, m, None)
+        assert str(decision.choice) == "2:4" and phrase in decision.reason, (m, decision.reason)
+        assert ("small-batch" in decision.reason) == (family is not None)
 
 
 def test_m_range_is_decided_bucket_by_bucket(gen):

@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
                                                      table)
 
                 base = add("cublas", lambda: torch.relu(F.linear(x, *dense_w[next(turn) % copies], bias)), fmt="dense")
-                gemm_launch = next(launch for bound, launch in gemm_table if bound == 0 or m <= bound)
+                gemm_launch = gpu.launch_for(gemm_table, m)
                 add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
                                                                False, False, gemm.kernels),
                     launch={"spec": json.loads(gemm_launch.spec.describe()), "swizzle": gemm_launch.swizzle,

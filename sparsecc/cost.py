@@ -83,6 +83,8 @@ CLOSE_CALL = (0.7, 1.25)
 #: ... at most this many more times, each candidate keeping its fastest
 CLOSE_CALL_RETIMES = 2
 
+#: what a 2:4 site's small-batch kernel family runs on, as a decision's reason says it
+_SMALL_BATCH_UNITS = {Family.GEMV_SM90_SPARSE24: "CUDA cores", Family.GEMV_MMA_SM90_SPARSE24: "tensor cores"}
 #: the implementation (calibration.IMPLS) of a 2:4 site on each small-batch family, or on the GEMMs
 _SPARSE24_IMPL = {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
                   None: "sparse24-gemm"}
@@ -436,9 +438,9 @@ class CostModel:
             if spec.kind == "nm":
                 from .gpu import small_batch_family
                 family = small_batch_family(planned_m, stats.dtype, *stats.shape)
-                small = {Family.GEMV_SM90_SPARSE24: "CUDA cores", Family.GEMV_MMA_SM90_SPARSE24: "tensor cores"}
-                return (f"; runs on sparsecc's sm90 2:4 small-batch kernel on {small[family]} (the CUTLASS kernel at "
-                        "batches it does not take)" if family else "; runs on sparsecc's sm90 2:4 CUTLASS kernel")
+                return (f"; runs on sparsecc's sm90 2:4 small-batch kernel on {_SMALL_BATCH_UNITS[family]} (the "
+                        "CUTLASS kernel at batches it does not take)" if family
+                        else "; runs on sparsecc's sm90 2:4 CUTLASS kernel")
             return {"bsr": "; runs on sparsecc's BSR kernel (tensor cores)",
                     "csr": "; runs on sparsecc's CSR kernel (sparse loads, tensor cores)"}[spec.kind]
         return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or self._kernel_refuses(stats, spec)}"

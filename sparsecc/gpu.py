@@ -155,13 +155,19 @@ def dispatch(family: Family, dtype: torch.dtype, out_features: int, in_features:
     return table
 
 
+def launch_for(table: list[tuple[int, Launch]], m: int) -> Launch:
+    """The launch a :func:`dispatch` table runs M rows with: its first bucket that holds M."""
+    for bound, launch in table:
+        if bound == 0 or m <= bound:
+            return launch
+    raise SparseccError(f"no launch for M={m}")
+
+
 def kernel_tile(family: Family, dtype: torch.dtype, out_features: int, in_features: int, m: int) -> tuple[int, int]:
     """``(rows of W, rows of x)`` per CTA of the launch :func:`dispatch` picks for M rows:
     what the cost model pads the work to and counts waves of CTAs over the SMs with."""
-    for bound, launch in dispatch(family, dtype, out_features, in_features):
-        if bound == 0 or m <= bound:
-            return launch.spec.tile[0], launch.spec.tile[1]
-    raise SparseccError(f"no launch for M={m}")
+    launch = launch_for(dispatch(family, dtype, out_features, in_features), m)
+    return launch.spec.tile[0], launch.spec.tile[1]
 
 
 def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:

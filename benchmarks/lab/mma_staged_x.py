@@ -11,6 +11,7 @@ benchmarks/decode.py); cuBLAS F.linear + ReLU alongside. Writes mma_staged_x.jso
 """
 import argparse
 import concurrent.futures
+import functools
 import itertools
 import json
 import os
@@ -53,11 +54,15 @@ def variants(m):
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def lab_environment() -> jinja2.Environment:
+    """sparsecc's template environment, also reading this folder (the lab template imports common.j2)."""
+    package = codegen._environment()
+    return package.overlay(loader=jinja2.FileSystemLoader([str(HERE), *package.loader.searchpath]))
+
+
 def render(spec, knob):
-    environment_ = jinja2.Environment(loader=jinja2.FileSystemLoader([str(HERE), str(codegen._environment().loader.searchpath[0])]),
-                                      undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                                      keep_trailing_newline=True)
-    return environment_.get_template("gemv_mma_staged_x.cu.j2").render(
+    return lab_environment().get_template("gemv_mma_staged_x.cu.j2").render(
         spec=spec, version=sparsecc.__version__, knob=knob, activation_codes=codegen.ACTIVATION_CODES,
         unchecked_nonfinite=codegen.UNCHECKED_NONFINITE)
 

@@ -34,11 +34,6 @@ BSR_DENSITIES = [0.5, 0.1]
 BLOCK = 64
 
 
-def in_bucket(table, m):
-    """The launch a dispatch table runs m rows with."""
-    return next(launch for bound, launch in table if bound == 0 or m <= bound)
-
-
 def variants(launch, previous_dir, values, metadata, x, bias, y, n, k):
     """current/previous x checked/unchecked: calls of the launch's kernel writing y."""
     current = runtime.ensure([launch.spec], progress=False)[launch.spec]
@@ -87,7 +82,7 @@ def main():
         for m in args.ms:
             x = torch.randn(m, k, generator=gen).half().cuda()
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
-            launch = in_bucket(gpu.dispatch(Family.SM90_SPARSE24, torch.float16, n, k), m)
+            launch = gpu.launch_for(gpu.dispatch(Family.SM90_SPARSE24, torch.float16, n, k), m)
             calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
             calls.update(variants(launch, args.previous, packed.values, packed.metadata, x, bias, y, n, k))
             ref = torch.relu(x.float() @ w.float().t() + bias.float())
@@ -102,7 +97,7 @@ def main():
             for m in args.ms:
                 x = torch.randn(m, k, generator=gen).half().cuda()
                 y = torch.empty(m, n, dtype=x.dtype, device="cuda")
-                launch = in_bucket(bsr_dispatch(torch.float16, (BLOCK, BLOCK)), m)
+                launch = gpu.launch_for(bsr_dispatch(torch.float16, (BLOCK, BLOCK)), m)
                 calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
                 calls.update(variants(launch, args.previous, values, metadata, x, bias, y, n, k))
                 listed_calls = variants(launch, "", listed.values.cuda(), listed.metadata.cuda(), x, bias, y, n, k)

@@ -68,6 +68,22 @@ def test_layouts_through_the_op_and_exact_unpacking(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_call_right_after_packing_reads_the_packed_weight(kind):
+    """The kernels start while the kernel before them ends and read their weight before they
+    wait for it (programmatic dependent launch), so packing must be finished, not only ordered,
+    before a call: each call here follows its weight's packing with no other work between."""
+    packing = KINDS[kind][0]
+    dtype = torch.float16
+    x = torch.randn(4, 4096, dtype=dtype, device="cuda")
+    for seed in range(12):
+        w = sparse_weight(4096, 4096, dtype, seed=seed)
+        packed = packing.from_dense(w)
+        got = gpu.linear_kernel(x, packed.values, packed.metadata, 4096, 4096, None, "relu", False, False,
+                                packed.kernels)
+        assert rel_error(got, reference(x, w, None, "relu")) < TOLERANCE[dtype], seed
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_compile_at_a_small_batch_uses_the_small_batch_kernels(kind):
     _, _, batch, says = KINDS[kind]
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ knobs) on per-config rows, ``error`` when an implementation refused a shape. Wri
 and a plot beside it.
 
     python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH] [--dense-only] [--ms 1 16]
+    python benchmarks/kernels.py --shapes 1024x1024 4096x1024 --ms 4096 [--sparse-only]   # a model's shapes (kernels_shapes-*.json)
     python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
     python benchmarks/kernels.py --csr [kernels_csr.py options]    # the unstructured kernel
 """
@@ -45,6 +46,17 @@ SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), 
 MS = [1, 16, 128, 2048, 8192]
 
 
+def shape(text: str) -> tuple[int, int]:
+    """``"NxK"`` -> (N, K), for ``--shapes``."""
+    try:
+        n, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a weight shape is NxK (out x in features), not {text!r}") from None
+    if n <= 0 or k <= 0 or k % 16:
+        raise argparse.ArgumentTypeError(f"{text}: N and K must be positive and K a multiple of 16 (2:4 groups, 16-byte rows)")
+    return n, k
+
+
 def two_four(n: int, k: int, dtype, gen) -> torch.Tensor:
     w = torch.randn(n, k // 4, 4, generator=gen)
     keep = w.abs().topk(2, dim=-1).indices
@@ -65,15 +77,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", nargs="*", default=["float16", "bfloat16"],
                         help="dtypes whose candidate launches are all measured (none: skip)")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
-    parser.add_argument("--sweep-ms", nargs="*", type=int, default=MS, help="batch sizes the sweep measures")
+    parser.add_argument("--sweep-ms", nargs="*", type=int, help="batch sizes the sweep measures (default: those measured)")
     parser.add_argument("--tuning-out", help="write the winning launches here (a tuning table)")
     parser.add_argument("--dense-only", action="store_true", help="the dense kernels and cuBLAS alone")
-    parser.add_argument("--ms", nargs="*", type=int, help="batch sizes measured (default: all)")
+    parser.add_argument("--sparse-only", action="store_true", help="the 2:4 kernels and their competitors alone")
+    parser.add_argument("--ms", nargs="*", type=int, help="batch sizes measured (default: %s)" % MS)
+    parser.add_argument("--shapes", nargs="*", type=shape, metavar="NxK",
+                        help="weight shapes (out x in features) measured instead of the issue's six, e.g. a "
+                             "model's own (default: %s)" % " ".join(f"{n}x{k}" for n, k in SHAPES))
     args = parser.parse_args(argv)
-    shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (SHAPES, MS)
-    ms = [m for m in ms if args.ms is None or m in args.ms]
-    families = [Family.SM90_DENSE, Family.GEMV_MMA_SM90_DENSE] + ([] if args.dense_only else [Family.SM90_SPARSE24])
-    result = environment("kernels")
+    shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (args.shapes or SHAPES, args.ms or MS)
+    if args.dense_only and args.sparse_only:
+        parser.error("--dense-only and --sparse-only exclude each other")
+    families = (([] if args.sparse_only else [Family.SM90_DENSE, Family.GEMV_MMA_SM90_DENSE])
+                + ([] if args.dense_only else [Family.SM90_SPARSE24]))
+    result = environment("kernels_shapes" if args.shapes else "kernels")   # a model's shapes: a file of their own
     result["dispatch"] = "tuning table (packaged, updated by this run's sweep)" if tuning.table()["entries"] else "defaults"
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
@@ -87,7 +105,7 @@ def main(argv=None) -> dict:
             launches = [launch for family in families for launch in gpu.candidates(family, dtype)]
             runtime.ensure([launch.spec for launch in launches])
             for (n, k), (w, bias, packed) in weights.items():
-                for m in [m for m in ms if m in args.sweep_ms]:
+                for m in [m for m in ms if args.sweep_ms is None or m in args.sweep_ms]:
                     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
                     ref = torch.relu(x.float() @ w.float().t() + bias.float())
                     base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
@@ -99,7 +117,7 @@ def main(argv=None) -> dict:
                   for family in families if family is not Family.GEMV_MMA_SM90_DENSE for n, k in shapes}
         runtime.ensure([launch.spec for table in tables.values() for _, launch in table])
         for (n, k), (w, bias, packed) in weights.items():   # 2: what a user runs, with those tables
-            dense_table = gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
+            dense_table = None if args.sparse_only else gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
             w_semi = None                   # the 2:4 competitors, unless --dense-only
             if not args.dense_only:
                 sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
@@ -122,6 +140,8 @@ def main(argv=None) -> dict:
                 }
                 if args.dense_only:
                     impls = {impl: impls[impl] for impl in ("cublas", "sparsecc-dense")}
+                if args.sparse_only:
+                    del impls["sparsecc-dense"]
                 elif not isinstance(w_semi, Exception):
                     impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
                 base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}

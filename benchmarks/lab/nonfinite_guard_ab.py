@@ -9,6 +9,7 @@ them for the wgmma kernel); "current-listed" is the current kernel on the packin
 (the pass then reads those columns of x on every call). Writes nonfinite_guard_ab.json to $OUT.
 
     OUT=/tmp python benchmarks/lab/nonfinite_guard_ab.py --previous DIR [--formats 2:4 bsr]
+        [--points 4096x1024x1024 ...] [--schedules]
 """
 import argparse
 import json
@@ -26,12 +27,18 @@ from kernels_bsr import block_weight  # noqa: E402
 from sparsecc import gpu, runtime  # noqa: E402
 from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
 from sparsecc.bsr_kernel import dispatch as bsr_dispatch  # noqa: E402
-from sparsecc.codegen import Family  # noqa: E402
+from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
 MS = [2048, 8192]
 BSR_DENSITIES = [0.5, 0.1]
 BLOCK = 64
+
+
+def point(text: str) -> tuple[int, int, int]:
+    """``"MxNxK"`` -> (M, N, K), for ``--points``."""
+    m, n, k = (int(part) for part in text.lower().split("x"))
+    return m, n, k
 
 
 def variants(launch, previous_dir, values, metadata, x, bias, y, n, k):
@@ -71,20 +78,31 @@ def main():
     parser.add_argument("--previous", metavar="DIR", required=True)
     parser.add_argument("--ms", nargs="*", type=int, default=MS)
     parser.add_argument("--formats", nargs="*", default=["2:4", "bsr"])
+    parser.add_argument("--points", nargs="*", type=point, metavar="MxNxK",
+                        help="2:4 only: these points instead of SHAPES x --ms (e.g. a model's shapes)")
+    parser.add_argument("--schedules", action="store_true",
+                        help="2:4: besides the dispatched launch, the 128x128x128 cooperative and pingpong ones")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     result = environment("nonfinite_guard_ab")
     result["rows"] = rows = []
-    for n, k in SHAPES if "2:4" in args.formats else []:
+    points = args.points or [(m, n, k) for n, k in SHAPES for m in args.ms]
+    for n, k in dict.fromkeys((n, k) for _, n, k in points) if "2:4" in args.formats else []:
         w = two_four(n, k, torch.float16, gen)
         bias = torch.randn(n, generator=gen).half().cuda()
         packed = gpu.CutlassSparse24Weight.from_dense(w)
-        for m in args.ms:
+        for m in [m for mm, nn, kk in points if (nn, kk) == (n, k) for m in [mm]]:
             x = torch.randn(m, k, generator=gen).half().cuda()
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             launch = gpu.launch_for(gpu.dispatch(Family.SM90_SPARSE24, torch.float16, n, k), m)
+            launches = {"": launch}
+            if args.schedules:
+                launches.update({f"{name}-": gpu.Launch(KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 128, 128),
+                                                                   schedule=name)) for name in ("cooperative", "pingpong")})
             calls = {"cublas": lambda: torch.relu(F.linear(x, w, bias))}
-            calls.update(variants(launch, args.previous, packed.values, packed.metadata, x, bias, y, n, k))
+            for prefix, each in launches.items():
+                calls.update({prefix + name: call for name, call in
+                              variants(each, args.previous, packed.values, packed.metadata, x, bias, y, n, k).items()})
             ref = torch.relu(x.float() @ w.float().t() + bias.float())
             rows.append(measure(calls, ref, {"format": "2:4", "N": n, "K": k, "M": m, "launch": launch.spec.symbol}))
     for n, k in SHAPES if "bsr" in args.formats else []:

@@ -379,14 +379,8 @@ class SmallBatchWeight(KernelWeight):
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "SmallBatchWeight":
         """Pack a 2:4 [N, K] CUDA weight and load the kernels of its dispatch table."""
         cls._check(weight)
-        if torch.cuda.is_current_stream_capturing():
-            raise InputError("a 2:4 weight cannot be packed for the small-batch kernels while a CUDA graph is "
-                             "being captured: pack it (compile the model) before capturing")
         packed = cls.pack(weight)
-        # The small-batch kernels read their weight before they wait for the kernel ahead of
-        # them (templates/common.j2, dependent_launch): the packing must be finished before any
-        # call is launched, not only ordered before it.
-        torch.cuda.current_stream(weight.device).synchronize()
+        runtime.finish_packing(weight.device)       # the kernels read it before they wait
         table = dispatch(cls.family, weight.dtype, *weight.shape)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         packed.kernels = dispatch_string(table)

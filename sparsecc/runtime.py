@@ -17,7 +17,7 @@ from . import launcher
 from .build import KernelCache, build, toolchain
 from .codegen import Family, KernelSpec
 from .config import settings
-from .errors import KernelBuildError, SparseccError
+from .errors import InputError, KernelBuildError, SparseccError
 from .kernel_dir import KernelDirectory
 
 _VOID = ctypes.c_void_p
@@ -29,6 +29,18 @@ _INT = ctypes.c_int
 
 class KernelRunError(SparseccError):
     """A generated kernel refused its arguments or failed to launch."""
+
+
+def finish_packing(device) -> None:
+    """Wait until the kernels that packed a weight on ``device`` have finished. The small-batch
+    2:4 kernels are programmatic dependent launches that read their weight before they
+    wait for the kernel ahead of them (templates/common.j2, dependent_launch): a packed weight
+    must be finished, not only ordered, before its first call. Packing while a CUDA graph is
+    being captured is refused (the graph would pack on every replay)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise InputError("a weight cannot be packed for sparsecc's kernels while a CUDA graph is being "
+                         "captured: pack it (compile the model) before capturing")
+    torch.cuda.current_stream(device).synchronize()
 
 
 class Kernel:

@@ -3,7 +3,9 @@ benchmarks/e2e.py gives ViT (`e2e.unmasked_attention`; e2e.py's BERT rows keep t
 ``transformers`` 5.17 builds under ``torch.compile``, which sends SDPA to its fp32 math path):
 Inductor against the sparsecc backend with NaN/Inf propagation on (the default) and off
 (SPARSECC_NONFINITE=unchecked), each timed eagerly, its GPU time per call from the profiler
-(lab/e2e_profile.profile), and the formats the plans chose. Writes bert_unmasked.json to $OUT.
+(lab/e2e_profile.profile: in total, per category and the largest kernels), and the formats
+the plans chose; then Inductor and sparsecc.compile each under CUDA graphs (mode="reduce-overhead"),
+timed per call (the -graphs rows of e2e.py). Writes bert_unmasked.json to $OUT.
 
     OUT=/some/dir python benchmarks/lab/bert_unmasked.py
 """
@@ -36,13 +38,30 @@ def main():
                 os.environ["SPARSECC_NONFINITE"] = nonfinite      # read when the sites are packed
             fn = torch.compile(model) if nonfinite is None else torch.compile(model, backend="sparsecc")
             out = fn(x)[0]
+            gpu_time = profile(fn, x, 3)
             row = {"model": "bert-large", "impl": impl, "M": x.numel(), "dtype": "float16", "us": None,
                    "us_eager": round(time_eager_us(lambda: fn(x), warmup_ms=50, rep_ms=300), 1),
-                   "us_gpu": profile(fn, x, 3)["us"], "rel_err": rel_err(out, reference),
+                   "us_gpu": gpu_time["us"], "categories": gpu_time["categories"], "top": gpu_time["top"],
+                   "rel_err": rel_err(out, reference),
                    "choices": dict(collections.Counter(c for g in COMPILED for c in g.plan.choices().values()))}
             result["rows"].append(row)
             print(row, flush=True)
-    os.environ.pop("SPARSECC_NONFINITE", None)
+        os.environ.pop("SPARSECC_NONFINITE", None)
+        # under CUDA graphs on both sides (as e2e.py's -graphs rows): the wall time per call is the
+        # GPU's, overlapped kernels counted once (the profiler's sums above count a dependent
+        # launch's wait for the kernel before it as its own time)
+        import sparsecc
+        for impl, make in (("inductor-graphs", lambda: torch.compile(model, mode="reduce-overhead")),
+                           ("sparsecc-graphs", lambda: torch.compile(sparsecc.compile(model, x), mode="reduce-overhead"))):
+            torch._dynamo.reset()
+            fn = make()
+            fn(x)
+            out = fn(x)[0].clone()
+            row = {"model": "bert-large", "impl": impl, "M": x.numel(), "dtype": "float16", "us": None,
+                   "us_eager": round(time_eager_us(lambda: fn(x), warmup_ms=50, rep_ms=300), 1),
+                   "rel_err": rel_err(out, reference)}
+            result["rows"].append(row)
+            print(row, flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_unmasked.json"), "w") as file:
         json.dump(result, file, indent=1)
 

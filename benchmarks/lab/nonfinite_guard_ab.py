@@ -91,7 +91,7 @@ def main():
         w = two_four(n, k, torch.float16, gen)
         bias = torch.randn(n, generator=gen).half().cuda()
         packed = gpu.CutlassSparse24Weight.from_dense(w)
-        for m in [m for mm, nn, kk in points if (nn, kk) == (n, k) for m in [mm]]:
+        for m in [mm for mm, nn, kk in points if (nn, kk) == (n, k)]:
             x = torch.randn(m, k, generator=gen).half().cuda()
             y = torch.empty(m, n, dtype=x.dtype, device="cuda")
             launch = gpu.launch_for(gpu.dispatch(Family.SM90_SPARSE24, torch.float16, n, k), m)

@@ -82,8 +82,10 @@ def apply_activation(y: torch.Tensor, activation: "Activation | str") -> torch.T
         return F.relu(y)
     if act is Activation.GELU:
         # GELU(+Inf) = +Inf, as in fp64 and the kernels' epilogue: torch 2.13's vectorised
-        # float32 erf GELU gives NaN there on some CPUs (AVX-512)
-        return torch.where(y == float("inf"), y, F.gelu(y))
+        # float32 erf GELU gives NaN there on some CPUs (AVX-512). Only there: elsewhere the
+        # compare and select would ride in every dense GELU site Inductor compiles (BERT's
+        # GELU kernel took 868 us where Inductor's own took 608, benchmarks/lab/README.md)
+        return torch.where(y == float("inf"), y, F.gelu(y)) if y.device.type == "cpu" else F.gelu(y)
     if act is Activation.GELU_TANH:
         return F.gelu(y, approximate="tanh")
     return F.silu(y)

@@ -18,6 +18,20 @@ def test_activations_match_torch():
         apply_activation(x, "swish")
 
 
+def test_gelu_keeps_plus_infinity_and_adds_its_workaround_on_the_cpu_only():
+    """GELU(+inf) = +inf on the CPU (whose vectorised float32 GELU can give NaN there); on
+    other devices the activation is torch's GELU alone, so compiled graphs fuse nothing extra."""
+    y = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0, -1.0] * 8)
+    out = apply_activation(y, "gelu")
+    assert out[0] == float("inf") and out[2].isnan()
+    assert torch.equal(out[1:].isnan(), F.gelu(y[1:].double()).isnan())   # GELU(-inf) is NaN in fp64 too
+    assert torch.equal(out[3:5], F.gelu(y[3:5]))
+    meta = torch.fx.experimental.proxy_tensor.make_fx(lambda t: apply_activation(t, "gelu"))(
+        torch.empty(40, device="meta"))
+    targets = {node.target for node in meta.graph.nodes if node.op == "call_function"}
+    assert targets == {torch.ops.aten.gelu.default}, targets
+
+
 def test_polynomial_gelu_is_as_exact_as_float32_erf_gelu():
     """GELU_POLYNOMIAL (the BSR kernel's exact GELU) evaluated in float32, against float64
     GELU: its error is about that of the usual float32 form 0.5 x (1 + erf(x / sqrt 2))."""

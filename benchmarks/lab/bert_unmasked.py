@@ -22,6 +22,7 @@ from common import environment, rel_err, time_eager_us  # noqa: E402
 from e2e import pruned_model, unmasked_attention  # noqa: E402
 from e2e_profile import profile  # noqa: E402
 
+import sparsecc  # noqa: E402
 from sparsecc.backend import COMPILED  # noqa: E402
 
 
@@ -52,7 +53,6 @@ def main():
         # under CUDA graphs on both sides (as e2e.py's -graphs rows): the wall time per call is the
         # GPU's, overlapped kernels counted once (the profiler's sums above count a dependent
         # launch's wait for the kernel before it as its own time)
-        import sparsecc
         for impl, make in (("inductor-graphs", lambda: torch.compile(model, mode="reduce-overhead")),
                            ("sparsecc-graphs", lambda: torch.compile(sparsecc.compile(model, x), mode="reduce-overhead"))):
             torch._dynamo.reset()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import environment, rel_err, time_graph_us  # noqa: E402
-from kernels import SHAPES, two_four  # noqa: E402
+from kernels import SHAPES, shape, two_four  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
@@ -36,9 +36,12 @@ BLOCK = 64
 
 
 def point(text: str) -> tuple[int, int, int]:
-    """``"MxNxK"`` -> (M, N, K), for ``--points``."""
-    m, n, k = (int(part) for part in text.lower().split("x"))
-    return m, n, k
+    """``"MxNxK"`` -> (M, N, K), for ``--points``: rows of x, then a weight shape as kernels.py's
+    ``--shapes`` takes it."""
+    m, _, weight = text.lower().partition("x")
+    if not m.isdigit():
+        raise argparse.ArgumentTypeError(f"a point is MxNxK (rows x out x in features), not {text!r}")
+    return (int(m), *shape(weight))
 
 
 def variants(launch, previous_dir, values, metadata, x, bias, y, n, k):

@@ -29,6 +29,7 @@ from kernels import two_four  # noqa: E402
 from sparsecc import gpu  # noqa: E402
 from sparsecc.codegen import Family  # noqa: E402
 from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
+from sparsecc.timing import capture_graph  # noqa: E402
 
 #: (M, N, K): the issue's largest square point, BERT-large's FFN and attention projections
 SHAPES = [(8192, 4096, 4096), (4096, 4096, 1024), (4096, 1024, 4096), (4096, 1024, 1024), (2048, 8192, 2048)]
@@ -64,15 +65,7 @@ class Sampler:
 
 def sustained(fn, seconds: float) -> None:
     """Replay a graph of 20 calls of ``fn`` for ``seconds``."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
+    graph = capture_graph(fn, 20)
     end = time.time() + seconds
     while time.time() < end:
         for _ in range(10):

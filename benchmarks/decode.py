@@ -18,6 +18,7 @@ bytes they must read and write over ``us``), ``of_copy`` and ``of_read`` (that o
 the 2:4 GEMM's time at each M (what sparsecc.gpu.small_batch_family weighs them against).
 
     python benchmarks/decode.py [--quick] [--ms 1 16] [--tuning-out sparsecc/tuning.json]
+    python benchmarks/decode.py --shapes 2048x2048 8192x2048 --ms 1 16   # a model's shapes (decode_shapes-*.json)
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
-from kernels import SHAPES, two_four  # noqa: E402
+from kernels import SHAPES, shape, two_four  # noqa: E402
 
 from sparsecc import gpu, runtime, tuning  # noqa: E402
 from sparsecc.codegen import Family  # noqa: E402
@@ -59,9 +60,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--ms", nargs="*", type=int, default=MS, help="batch sizes (default: %(default)s)")
     parser.add_argument("--tuning-out", help="write the tuning table with the small-batch winners here")
+    parser.add_argument("--shapes", nargs="*", type=shape, metavar="NxK",
+                        help="weight shapes (out x in features) measured instead of the six, e.g. a model's own "
+                             "(written as decode_shapes-*.json)")
     args = parser.parse_args(argv)
-    shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
-    result = environment("decode")
+    shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else (args.shapes or SHAPES)
+    result = environment("decode_shapes" if args.shapes else "decode")   # a model's shapes: a file of their own
     result["copy_gbps"] = round(copy_bandwidth_gbps(), 1)
     result["read_gbps"] = round(read_bandwidth_gbps(), 1)
     print(f"copy bandwidth {result['copy_gbps']} GB/s, read {result['read_gbps']} GB/s", flush=True)

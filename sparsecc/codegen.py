@@ -78,11 +78,13 @@ class Schedule(str, enum.Enum):
 
 
 class Scheduler(str, enum.Enum):
-    """How output tiles are spread over the SMs: one persistent wave, or stream-K (which
-    splits K across CTAs when there are too few tiles, e.g. small batch)."""
+    """How output tiles are spread over the SMs: one persistent wave, stream-K (which splits K
+    across CTAs when there are too few tiles, e.g. small batch), or K cut into slices run as a
+    batch whose fp32 sums a second kernel adds (dense GEMMs only: templates/gemm_sm90_dense)."""
 
     PERSISTENT = "persistent"
     STREAMK = "streamk"
+    SLICED = "sliced"
 
 
 DTYPES = ("float16", "bfloat16")
@@ -101,8 +103,11 @@ TILES = {
     # (warps per block, output features per warp, rows of x per block)
     Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
     # the tensor-core small-batch kernels: (warps per block, 16-feature units of W per block,
-    # 8-row tiles of x per block); the launch's splits are the blocks per cluster
-    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)},
+    # 8-row tiles of x per block); the launch's splits are the blocks per cluster. Sixteen warps
+    # split K within a block (partial sums meet in shared memory, not across a cluster) where a
+    # short weight leaves few blocks; one tile of x only (two would stage 64 KB of x)
+    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)}
+                                   | {(16, u, 1) for u in (1, 2, 4)},
     Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not
@@ -161,6 +166,8 @@ class KernelSpec:
             raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
         if self.scheduler is Scheduler.STREAMK and (self.schedule is not Schedule.COOPERATIVE or self.arch != "sm_90a"):
             raise InputError("the stream-K scheduler needs an sm_90a family and the cooperative schedule")
+        if self.scheduler is Scheduler.SLICED and self.family is not Family.SM90_DENSE:
+            raise InputError(f"the sliced scheduler (split-K as a batch) is written for {Family.SM90_DENSE.value} only")
         if self.family.own_launch and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
                                        or self.schedule is not Schedule.COOPERATIVE
                                        or self.x_transposed or self.transpose_out):
@@ -240,7 +247,7 @@ class KernelSpec:
         tile = "x".join(map(str, self.tile))
         cluster = "x".join(map(str, self.cluster))
         schedule = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
-        scheduler = "_sk" if self.scheduler is Scheduler.STREAMK else ""
+        scheduler = {Scheduler.STREAMK: "_sk", Scheduler.SLICED: "_ks"}.get(self.scheduler, "")
         return (f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}"
                 f"_t{tile}_c{cluster}_{schedule}{scheduler}")
 

@@ -33,7 +33,7 @@ class Launch:
 
     spec: KernelSpec
     swizzle: int = 1        # rasterization swizzle of the persistent / stream-K scheduler
-    splits: int = 1         # split-K factor (stream-K kernels; 1 = the scheduler's heuristic)
+    splits: int = 1         # split-K factor (stream-K: 1 = its heuristic) or K slices (sliced: 1 = the kernel picks)
 
     @property
     def label(self) -> str:
@@ -74,6 +74,11 @@ _CANDIDATES = {
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), {}),
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
+        # K in slices (split-K as a batch): one wave of output tiles x slices, or 4 / 8 slices
+        (dict(tile=(128, 64, 64), scheduler=Scheduler.SLICED), {}),
+        (dict(tile=(128, 64, 64), scheduler=Scheduler.SLICED), dict(splits=4)),
+        (dict(tile=(128, 64, 64), scheduler=Scheduler.SLICED), dict(splits=8)),
+        (dict(tile=(128, 128, 64), scheduler=Scheduler.SLICED), {}),
     ],
     # the dense small-batch kernel: every tiling, clusters of 1 and 2 blocks and the kernel's own pick (0)
     Family.GEMV_MMA_SM90_DENSE: [(dict(tile=tile), dict(splits=splits))
@@ -121,14 +126,15 @@ _BUCKETS = {Family.GEMV_SM90_SPARSE24: GEMV_BUCKETS, Family.GEMV_MMA_SM90_SPARSE
 SMALL_BATCH_DENSE_MAX_M = 128
 
 #: the batches the plan runs a 2:4 site with the small-batch kernels at: the CUDA-core kernel
-#: (gemv) up to GEMV_MAX_M; the tensor-core one above, up to MMA_MAX_M, where the tuning table
-#: measured it faster than the 2:4 GEMM at the nearest shape (benchmarks/decode.py times both
-#: at M = 8, 16, 32 and 64), and without measurements up to MMA_DEFAULT_MAX_M; the CUTLASS GEMMs
-#: elsewhere. Measured on an H100 (benchmarks/decode.py, 2026-11-25, six shapes, fp16 and bf16):
-#: at M=1 the gemv kernel is 1.78-3.04x faster than cuBLAS, the tensor-core kernel within 4% of
-#: it on the 90 MB weights and up to 1.4x slower on the 1-16 MB ones (its partial sums meet
-#: across warps); at M=4..32 the tensor-core kernel is 1.41-2.50x faster than cuBLAS and ahead
-#: of the GEMMs everywhere; at M=64 the GEMMs win on the 32-90 MB weights
+#: (gemv) up to GEMV_MAX_M, unless the tuning table measured the tensor-core one faster there at
+#: the nearest shape; the tensor-core one above, up to MMA_MAX_M, where the tuning table measured
+#: it faster than the 2:4 GEMM at the nearest shape (benchmarks/decode.py times all three at
+#: M = 1, 4, 8, 16, 32 and 64), and without measurements up to MMA_DEFAULT_MAX_M; the CUTLASS
+#: GEMMs elsewhere. Measured on an H100 (benchmarks/decode.py, 2026-11-25, with the 16-warp
+#: tilings, six shapes, fp16 and bf16): at M=1 the gemv kernel is fastest on the 1-16 MB weights
+#: (2.2-3.1x cuBLAS), the tensor-core kernel on the 90 MB ones (19.7 against 20.5 us on
+#: 11008x4096, 20.1 against 21.9 on 4096x11008); at M=4..32 the tensor-core kernel is 1.39-2.62x
+#: faster than cuBLAS and ahead of the GEMMs; at M=64 the GEMMs win on the 32-90 MB weights
 GEMV_MAX_M = 1
 MMA_MAX_M = MMA_BUCKETS[-2][0]
 MMA_DEFAULT_MAX_M = 8
@@ -271,14 +277,15 @@ def small_batch_family(m: int | None, dtype: torch.dtype | str, out_features: in
     runs on, or None (the GEMMs): see :data:`GEMV_MAX_M` and :data:`MMA_MAX_M`."""
     if m is None or m > MMA_MAX_M:
         return None
-    if m <= GEMV_MAX_M:
-        return Family.GEMV_SM90_SPARSE24
     from .tuning import best_entry
     name = str(dtype).replace("torch.", "")
     measured_at = next(measured for bound, measured in MMA_BUCKETS if m <= bound)
     kernel_dtype = name in (str(d).replace("torch.", "") for d in KERNEL_DTYPES)
+    other = Family.GEMV_SM90_SPARSE24 if m <= GEMV_MAX_M else Family.SM90_SPARSE24
     mma, gemm = (best_entry(family, name, measured_at, out_features, in_features) if kernel_dtype else None
-                 for family in (Family.GEMV_MMA_SM90_SPARSE24, Family.SM90_SPARSE24))
+                 for family in (Family.GEMV_MMA_SM90_SPARSE24, other))
+    if m <= GEMV_MAX_M:      # one row: the CUDA-core kernel unless the tensor-core one measured faster
+        return Family.GEMV_MMA_SM90_SPARSE24 if mma and gemm and mma[1] < gemm[1] else Family.GEMV_SM90_SPARSE24
     if mma and gemm:
         return Family.GEMV_MMA_SM90_SPARSE24 if mma[1] <= gemm[1] else None
     return Family.GEMV_MMA_SM90_SPARSE24 if m <= MMA_DEFAULT_MAX_M else None

@@ -1,5 +1,6 @@
-"""benchmarks/kernels.py's command line on the CPU: ``--shapes`` takes NxK weight shapes and
-refuses what the 2:4 kernels cannot take, naming it; the two one-sided modes exclude each other."""
+"""benchmarks/kernels.py's and decode.py's command lines on the CPU: ``--shapes`` takes NxK weight
+shapes and refuses what the 2:4 kernels cannot take, naming it; the two one-sided modes exclude
+each other."""
 import argparse
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import decode  # noqa: E402
 import kernels  # noqa: E402
 
 
@@ -25,3 +27,9 @@ def test_dense_only_and_sparse_only_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         kernels.main(["--dense-only", "--sparse-only", "--shapes", "64x64"])
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_decode_takes_a_models_shapes_and_refuses_bad_ones(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--shapes", "2048x2048", "64x100"])
+    assert "64x100" in capsys.readouterr().err

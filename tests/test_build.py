@@ -164,6 +164,7 @@ def test_every_template_compiles_with_nvcc(tmp_path):
     """Compile-only check of each family (the GPU may be absent): a real shared object."""
     build_module._toolchain.cache_clear()
     specs = [KernelSpec.default(family, "float16") for family in Family]
+    specs.append(KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler="sliced"))
     paths = build(specs, cache=KernelCache(tmp_path), progress=False)
     for spec, path in paths.items():
         assert path.stat().st_size > 10_000, spec.symbol

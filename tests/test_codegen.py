@@ -3,7 +3,7 @@ spells the configuration; generated files name their spec and sparsecc's version
 import pytest
 
 import sparsecc
-from sparsecc.codegen import TILES, Family, KernelSpec, Schedule, render, templates_digest
+from sparsecc.codegen import TILES, Family, KernelSpec, Schedule, Scheduler, render, templates_digest
 from sparsecc.errors import InputError
 
 
@@ -17,6 +17,9 @@ from sparsecc.errors import InputError
     dict(family=Family.SM80_DENSE, dtype="float16", transpose_out=True),
     dict(family="gemm_sm90_evil", dtype="float16"),
     dict(family=Family.SM90_DENSE, dtype="float16", x_transposed="yes"),
+    dict(family=Family.SM90_SPARSE24, dtype="float16", scheduler=Scheduler.SLICED),   # dense GEMMs only
+    dict(family=Family.SM90_DENSE, dtype="float16", scheduler="sliced", schedule=Schedule.PINGPONG, tile=(64, 128, 64),
+         transpose_out="no"),
 ])
 def test_invalid_specs_are_refused(bad):
     with pytest.raises((InputError, ValueError)):
@@ -50,6 +53,21 @@ def test_layouts_reach_the_source():
     both = render(KernelSpec(Family.SM90_DENSE, "float16", x_transposed=True, transpose_out=True))
     assert "using LayoutB = cutlass::layout::ColumnMajor;" in plain and "using LayoutD = cutlass::layout::ColumnMajor;" in plain
     assert "using LayoutB = cutlass::layout::RowMajor;" in both and "using LayoutD = cutlass::layout::RowMajor;" in both
+
+
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_sliced_dense_gemm_stores_fp32_slices_and_sums_them(transpose_out):
+    """K in slices: the GEMM stores fp32 partial sums (no fused bias), a second kernel adds them
+    with bias and activation, indexing the bias by y's or y^T's layout."""
+    spec = KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler=Scheduler.SLICED,
+                      transpose_out=transpose_out)
+    assert spec.symbol.endswith("_coop_ks")
+    source = render(spec)
+    assert "using ElementD = float;" in source and "LinCombPerRowBiasEltAct" not in source
+    assert "sum_slices<<<" in source and "get<2>(stride_a) = int64_t(ks)" in source
+    assert ("int(offset / n)" if transpose_out else "int(offset % m)") in source
+    plain = render(KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64)))
+    assert "sum_slices" not in plain and "LinCombPerRowBiasEltAct" in plain
 
 
 def test_templates_digest_is_stable():

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import sparsecc
 from sparsecc import gpu
+from sparsecc.codegen import Family
 from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import TOLERANCE, kernels_of_24_sites, rel_error
@@ -85,16 +86,22 @@ def test_a_call_right_after_packing_reads_the_packed_weight(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_compile_at_a_small_batch_uses_the_small_batch_kernels(kind):
+    """A model compiled at a small batch plans its 2:4 sites on the small-batch kernel
+    gpu.small_batch_family picks (one row: the CUDA-core kernel on weights of a few MB, where the
+    tuning table has it fastest), and computes right at other batch sizes too."""
     _, _, batch, says = KINDS[kind]
+    width, hidden = (768, 3072) if kind == "cuda-cores" else (2048, 8192)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 8192), nn.SiLU(), nn.Linear(8192, 2048)).half().cuda().eval()
+    model = nn.Sequential(nn.Linear(width, hidden), nn.SiLU(), nn.Linear(hidden, width)).half().cuda().eval()
     with torch.no_grad():
         for layer in (model[0], model[2]):
             layer.weight.copy_(sparse_weight(*layer.weight.shape, torch.float16, seed=layer.weight.shape[0]))
-    x = torch.randn(batch, 2048, dtype=torch.float16, device="cuda")
+            family = gpu.small_batch_family(batch, torch.float16, *layer.weight.shape)
+            assert family is (Family.GEMV_SM90_SPARSE24 if kind == "cuda-cores" else Family.GEMV_MMA_SM90_SPARSE24)
+    x = torch.randn(batch, width, dtype=torch.float16, device="cuda")
     compiled = sparsecc.compile(model, x, formats=("2:4",))
     assert all(says in site.reason for site in compiled.sparsecc_plan)
     with torch.no_grad():
         for rows in (1, 4, 7, 100):
-            fresh = torch.randn(rows, 2048, dtype=torch.float16, device="cuda")
+            fresh = torch.randn(rows, width, dtype=torch.float16, device="cuda")
             assert rel_error(compiled(fresh), model(fresh)) < 1e-2

@@ -101,6 +101,27 @@ def test_24_small_batches_take_the_tensor_core_kernel_where_it_measured_faster()
     assert family[17, small] is None and family[65, small] is None        # M = 32 unmeasured; past the kernel's range
 
 
+def test_one_row_takes_the_tensor_core_kernel_only_where_it_measured_faster():
+    """At M = 1 a 2:4 site runs on the CUDA-core small-batch kernel, unless the table has the
+    tensor-core one faster at M = 1 and the nearest shape; a site of a shape nearer the other
+    measurement, or with nothing measured, keeps the CUDA-core kernel."""
+    mma = gpu.Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, "float16", tile=(16, 1, 1)), splits=0)
+    cuda_cores = gpu.Launch(KernelSpec(Family.GEMV_SM90_SPARSE24, "float16", tile=(8, 1, 1)))
+    rng = torch.Generator().manual_seed(3)
+    fast, slow = sorted(float(v) for v in torch.rand(2, generator=rng) * 30 + 5)
+    large, small = (4096, 11008), (768, 3072)
+    tuning.use({"entries": [entry(mma, 1, *large, fast), entry(cuda_cores, 1, *large, slow),
+                            entry(mma, 1, *small, slow), entry(cuda_cores, 1, *small, fast)]})
+    try:
+        picked = {shape: gpu.small_batch_family(1, torch.float16, *shape)
+                  for shape in (large, small, (4096, 8192), (1024, 4096))}
+    finally:
+        tuning.use(None)
+    assert picked[large] is picked[4096, 8192] is Family.GEMV_MMA_SM90_SPARSE24
+    assert picked[small] is picked[1024, 4096] is Family.GEMV_SM90_SPARSE24
+    assert gpu.small_batch_family(1, torch.float16, *large) is not None    # the packaged table answers too
+
+
 def test_a_launch_with_a_wrong_result_never_wins():
     """The fastest row per point becomes the entry, unless its result was wrong (relative error
     over the dtype's tolerance, or not measured): then the fastest right one does."""

@@ -42,18 +42,20 @@ def use(new_table: dict | None) -> None:
 
 def best_entry(family: Family, dtype: str, m: int, out_features: int, in_features: int):
     """``(launch, microseconds)`` of the measured best launch at the nearest measured shape with
-    this M, or None: the time lets families measured in one sweep be compared. A tensor-core
-    small-batch launch borrowed from another shape keeps its tiling but not its cluster size,
-    which depends on the shape (:attr:`Family.clustered`): the kernel picks that."""
+    this M, or None: the time lets families measured in one sweep be compared. The nearest shape
+    counts, not the dtype: fp16 and bf16 launches of one tiling run within a few percent of each
+    other (benchmarks/decode.py, kernels.py), while a tiling borrowed from a shape four times the
+    weight can leave half the SMs idle; at the same shape this dtype's own entry wins. A
+    tensor-core small-batch launch borrowed from another shape keeps its tiling but not its
+    cluster size, which depends on the shape (:attr:`Family.clustered`): the kernel picks that."""
     from .gpu import Launch
     entries = [e for e in table()["entries"] if e["family"] == family.value and e["M"] == m]
-    own = [e for e in entries if e["dtype"] == dtype]
-    entries = own or entries
     if not entries:
         return None
 
     def distance(entry):
-        return math.log(entry["N"] / out_features) ** 2 + math.log(entry["K"] / in_features) ** 2
+        return (math.log(entry["N"] / out_features) ** 2 + math.log(entry["K"] / in_features) ** 2,
+                entry["dtype"] != dtype)
 
     best = min(entries, key=distance)
     spec = dict(best["spec"], dtype=dtype)

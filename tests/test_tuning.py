@@ -43,6 +43,19 @@ def test_the_nearest_measured_shape_wins(measured):
     assert tuning.best_entry(Family.SM90_DENSE, "float16", 2048, 4096, 4096) is None
 
 
+def test_the_nearest_shape_wins_over_the_dtype_and_the_dtype_breaks_ties(measured):
+    """A bf16 site of a shape measured only in fp16 takes that shape's tiling, not the tiling of
+    a farther shape measured in bf16; where both dtypes measured a shape, its own entry wins."""
+    own = gpu.Launch(KernelSpec(Family.SM90_DENSE, "bfloat16", tile=(128, 128, 64)))
+    tuning.use({"entries": tuning.table()["entries"] + [entry(own, 8192, 768, 3072, 1.0),
+                                                        entry(own, 8192, 11008, 4096, 1.0)]})
+    nearest, _ = tuning.best_entry(Family.SM90_DENSE, "bfloat16", 8192, 4096, 4096)
+    assert nearest.spec == WIDE.spec.with_(dtype="bfloat16")             # fp16's, at the same shape
+    tied, _ = tuning.best_entry(Family.SM90_DENSE, "bfloat16", 8192, 768, 3072)
+    assert tied == own                                                  # both measured it: bf16's own
+    assert tuning.best_entry(Family.SM90_DENSE, "float16", 8192, 768, 3072)[0] == GEMM
+
+
 def test_small_dense_batches_take_the_faster_family(measured):
     table = dict(gpu.dispatch(Family.SM90_DENSE, torch.float16, 4096, 4096))
     assert table[1] == SMALL and table[128] == GEMM and table[0] == WIDE

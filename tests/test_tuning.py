@@ -90,23 +90,28 @@ def test_tensor_core_small_batch_launches_fill_their_tiles_of_x():
     assert {bound: launch.spec.tile[2] for bound, launch in table} == {1: 1, 8: 1, 16: 2, 32: 2, 64: 2, 0: 2}
 
 
+def picked_families(entries, points):
+    """gpu.small_batch_family (fp16) at each (m, shape) of ``points``, with ``entries`` as the tuning table."""
+    tuning.use({"entries": entries})
+    try:
+        return {(m, shape): gpu.small_batch_family(m, torch.float16, *shape) for m, shape in points}
+    finally:
+        tuning.use(None)
+
+
 def test_24_small_batches_take_the_tensor_core_kernel_where_it_measured_faster():
     """Above one row, a 2:4 site runs on the tensor-core small-batch kernel where the table has
     it faster than the 2:4 GEMM at the batch's bucket and the nearest shape, else on the GEMM;
-    unmeasured, up to MMA_DEFAULT_MAX_M rows. One row is the CUDA-core kernel's, past MMA_MAX_M
-    the GEMM's."""
+    unmeasured, up to MMA_DEFAULT_MAX_M rows. One row with nothing measured at M = 1 is the
+    CUDA-core kernel's, past MMA_MAX_M the GEMM's."""
     mma = gpu.Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, "float16", tile=(8, 1, 2)), splits=0)
     gemm = gpu.Launch(KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 64, 128)))
     rng = torch.Generator().manual_seed(1)
     fast, slow = sorted(float(v) for v in torch.rand(2, generator=rng) * 30 + 5)
     small, large = (768, 3072), (11008, 4096)
-    tuning.use({"entries": [entry(mma, 16, *small, fast), entry(gemm, 16, *small, slow),
-                            entry(mma, 16, *large, slow), entry(gemm, 16, *large, fast)]})
-    try:
-        family = {(m, shape): gpu.small_batch_family(m, torch.float16, *shape)
-                  for m in (1, 4, 9, 16, 17, 65) for shape in (small, large, (800, 3000))}
-    finally:
-        tuning.use(None)
+    family = picked_families([entry(mma, 16, *small, fast), entry(gemm, 16, *small, slow),
+                              entry(mma, 16, *large, slow), entry(gemm, 16, *large, fast)],
+                             [(m, shape) for m in (1, 4, 9, 16, 17, 65) for shape in (small, large, (800, 3000))])
     assert {family[1, s] for s in (small, large)} == {Family.GEMV_SM90_SPARSE24}
     assert family[9, small] is family[16, small] is family[16, (800, 3000)] is Family.GEMV_MMA_SM90_SPARSE24
     assert family[9, large] is family[16, large] is None                 # the GEMM measured faster
@@ -123,15 +128,11 @@ def test_one_row_takes_the_tensor_core_kernel_only_where_it_measured_faster():
     rng = torch.Generator().manual_seed(3)
     fast, slow = sorted(float(v) for v in torch.rand(2, generator=rng) * 30 + 5)
     large, small = (4096, 11008), (768, 3072)
-    tuning.use({"entries": [entry(mma, 1, *large, fast), entry(cuda_cores, 1, *large, slow),
-                            entry(mma, 1, *small, slow), entry(cuda_cores, 1, *small, fast)]})
-    try:
-        picked = {shape: gpu.small_batch_family(1, torch.float16, *shape)
-                  for shape in (large, small, (4096, 8192), (1024, 4096))}
-    finally:
-        tuning.use(None)
-    assert picked[large] is picked[4096, 8192] is Family.GEMV_MMA_SM90_SPARSE24
-    assert picked[small] is picked[1024, 4096] is Family.GEMV_SM90_SPARSE24
+    picked = picked_families([entry(mma, 1, *large, fast), entry(cuda_cores, 1, *large, slow),
+                              entry(mma, 1, *small, slow), entry(cuda_cores, 1, *small, fast)],
+                             [(1, shape) for shape in (large, small, (4096, 8192), (1024, 4096))])
+    assert picked[1, large] is picked[1, (4096, 8192)] is Family.GEMV_MMA_SM90_SPARSE24
+    assert picked[1, small] is picked[1, (1024, 4096)] is Family.GEMV_SM90_SPARSE24
     assert gpu.small_batch_family(1, torch.float16, *large) is not None    # the packaged table answers too
 
 

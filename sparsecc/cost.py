@@ -220,6 +220,7 @@ class CostModel:
         self.objective, self.max_slowdown = objective, float(max_slowdown)
         self.calibration = calib.for_device(self.device) if calibration == "auto" else calibration
         self._reference: tuple[float, float] | None = None     # (fastest reference_us seen, when last timed)
+        self._timings: dict[tuple, dict] = {}                   # site_timer's, shared by sites alike
         self.measure = True if measure is None else bool(measure)
         if kernels_unavailable == "unset":
             from .gpu import kernels_unavailable as why_not
@@ -423,10 +424,20 @@ class CostModel:
 
     def site_timer(self, weight: torch.Tensor, stats: WeightStats):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
-        ``weight`` as compile would pack and run them (sparsecc's kernels where they take it)."""
+        ``weight`` as compile would pack and run them (sparsecc's kernels where they take it).
+        Where no candidate's time depends on the weight's values (dense, and 2:4 on sparsecc's
+        kernels), a site takes the times measured on an earlier one of the same shape, dtype
+        and batch: the layers of a model then get one decision, in one timing, not one each
+        (timings within noise of the margin flipped identical layers either way)."""
         def measure(specs, m, planned_m):
-            return time_sites(weight, specs, m, on_kernel={s: self.uses_kernel(stats, s) for s in specs},
-                              planned_m=planned_m)
+            on_kernel = {s: self.uses_kernel(stats, s) for s in specs}
+            key = _value_free_key(weight, specs, on_kernel, m, planned_m)
+            if key is not None and key in self._timings:
+                return dict(self._timings[key])
+            timed = time_sites(weight, specs, m, on_kernel=on_kernel, planned_m=planned_m)
+            if key is not None:
+                self._timings[key] = dict(timed)
+            return timed
         return measure
 
     def _where_it_runs(self, stats: WeightStats, spec: FormatSpec, planned_m: int | None = None) -> str:
@@ -480,6 +491,16 @@ class CostModel:
         inside = declared[0] <= (hi or math.inf) and lo <= declared[1]
         return {"m_lo": lo, "m_hi": hi, "m": m, "predicted_us": times, "best": min(times, key=times.get),
                 "declared": inside}
+
+
+def _value_free_key(weight: torch.Tensor, specs, on_kernel: dict, m: int, planned_m: int | None) -> tuple | None:
+    """What the times of ``specs`` on ``weight`` depend on, when not on its values: dense, and
+    2:4 on sparsecc's kernels, cost the same for every weight of one shape and dtype (torch's
+    sparse paths, BSR and CSR depend on where the non-zeros are). None otherwise."""
+    if not all(s.kind == "dense" or (s == NM_2_4 and on_kernel.get(s)) for s in specs):
+        return None
+    return (tuple(weight.shape), weight.dtype, str(weight.device), m, planned_m,
+            tuple((str(s), bool(on_kernel.get(s))) for s in specs))
 
 
 def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kernel: dict | None = None,

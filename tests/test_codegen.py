@@ -70,5 +70,17 @@ def test_sliced_dense_gemm_stores_fp32_slices_and_sums_them(transpose_out):
     assert "sum_slices" not in plain and "LinCombPerRowBiasEltAct" in plain
 
 
+def test_small_batch_kernels_stream_their_weights_and_keep_x_in_l1():
+    """The weight loads that measured faster streamed (no L1 allocation, 256-byte L2 prefetch)
+    are, and the loads that measured slower so (x; the dense kernel's W) are not."""
+    streamed = {Family.GEMV_SM90_SPARSE24: "stream16(w_rows[r]", Family.GEMV_MMA_SM90_SPARSE24: "stream16(values +",
+                Family.BSR_SM90: "stream16(w_row +"}
+    for family, weight_load in streamed.items():
+        source = render(KernelSpec.default(family, "bfloat16"))
+        assert weight_load in source and "ld.global.nc.L1::no_allocate.L2::256B.v4.u32" in source
+    assert "load16(in)" in render(KernelSpec.default(Family.GEMV_SM90_SPARSE24, "float16"))
+    assert "stream16(" not in render(KernelSpec.default(Family.GEMV_MMA_SM90_DENSE, "float16"))
+
+
 def test_templates_digest_is_stable():
     assert templates_digest() == templates_digest() and len(templates_digest()) == 64

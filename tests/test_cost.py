@@ -277,3 +277,34 @@ def test_small_batches_run_24_on_the_small_batch_kernels_of_their_size(gen):
     assert str(decision.choice) == "2:4" and by_format["2:4"] < by_format["dense"]
     work = calib.work(_h100().workload(stats, NM_2_4, 4, 4))
     assert by_format["2:4"] == pytest.approx(_h100().calibration.fits["sparse24-mma/16bit"].predict_us(*work), rel=0.05)
+
+
+def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
+    """Dense and 2:4 on sparsecc's kernels cost the same for every weight of a shape: the
+    second site of a shape takes the first one's times (one decision for a model's layers);
+    a list with a format whose cost depends on the non-zeros (CSR) is timed for each site."""
+    import sparsecc.cost as cost
+    calls = []
+
+    def fake_time_sites(weight, specs, m, *, on_kernel=None, planned_m=None):
+        calls.append((tuple(weight.shape), [str(s) for s in specs], m))
+        return {s: 10.0 if s.kind == "dense" else 5.0 + len(calls) for s in specs}
+
+    monkeypatch.setattr(cost, "time_sites", fake_time_sites)
+    model = CostModel("cpu", kernels_unavailable=None)       # as on a GPU whose kernels take 2:4
+    two_four = [FormatSpec.parse("dense"), FormatSpec.parse("2:4")]
+    first, second, other = (n_m(n, 128, 2, 4, gen).half() for n in (64, 64, 128))   # fp16: the kernels' dtypes
+    assert not torch.equal(first, second)
+    times = [model.site_timer(w, analyze(w))(two_four, 16, 16) for w in (first, second)]
+    assert len(calls) == 1 and times[0] == times[1]
+    model.site_timer(first, analyze(first))(two_four, 32, 32)          # another batch: timed
+    model.site_timer(other, analyze(other))(two_four, 16, 16)          # another shape: timed
+    assert len(calls) == 3
+    with_csr = two_four + [FormatSpec.parse("csr")]
+    for w in (first, second):
+        model.site_timer(w, analyze(w))(with_csr, 16, 16)
+    assert len(calls) == 5
+    unpacked = CostModel("cpu", kernels_unavailable="no GPU")       # 2:4 on torch's path: timed per site
+    for w in (first, second):
+        unpacked.site_timer(w, analyze(w))(two_four, 16, 16)
+    assert len(calls) == 7

@@ -3,8 +3,8 @@ block shape the benchmarks and the plans use, against an fp64 reference, with ra
 patterns, empty block rows, a fully empty and a fully dense weight, every activation, odd
 batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model. The
 dispatch runs the streaming kernel (bsr_sm90) for M = 1 and the wgmma kernel
-(bsr_sm90_wgmma) above, so the batch sizes below cover both; the streaming kernel is also
-tested on its own with 1 and 4 rows of x per CTA."""
+(bsr_sm90_wgmma) above, so the batch sizes below cover both; the streaming kernel's own tests
+(1 and 4 rows of x per CTA) are in test_gpu_bsr_small_batch.py."""
 import pytest
 import torch
 import torch.nn as nn
@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 DTYPES = [torch.float16, torch.bfloat16]
 BLOCKS = [(16, 16), (32, 32), (64, 64), (128, 128), (16, 64), (64, 32)]
 ROWS = [1, 7, 33, 1000]
-STREAM_TILES = (1, 4)
 #: the wgmma kernel's tilings the dispatch does not use
 WGMMA_TILES = [((64, 64), 256, torch.float16), ((128, 128), 256, torch.bfloat16), ((16, 16), 64, torch.bfloat16),
                ((32, 128), 128, torch.float16), ((128, 16), 64, torch.float16)]
@@ -39,8 +38,6 @@ def dtype_name(dtype):
 
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = [launch.spec for dtype in DTYPES for block in BLOCKS for _, launch in dispatch(dtype, block)]
-KERNELS += [KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
-            for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES]
 KERNELS += [KernelSpec(Family.BSR_SM90_WGMMA, dtype_name(dtype), tile=(*block, tile_m)) for block, tile_m, dtype in WGMMA_TILES]
 
 
@@ -130,74 +127,6 @@ def test_two_tiles_per_cta_compute_what_one_does(block, tile_m, dtype):
     short, long = (BsrKernelWeight.from_dense(weight(block, 6, 9, d, dtype, seed=42), block) for d in (0.15, 0.9))
     assert short.chunks_per_row <= 3 < long.chunks_per_row
     assert gpu.kernel_for(short.kernels, 4096)[2] == 2 and gpu.kernel_for(long.kernels, 4096)[2] == 1
-
-
-@pytest.fixture(scope="module")
-def stream_kernels():
-    """The small-batch kernel for every block, dtype and tile of rows of x below, built at once."""
-    specs = {(block, dtype, tile_m): KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
-             for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES}
-    runtime.ensure(list(specs.values()), progress=False)
-    return specs
-
-
-def on_stream_kernel(w, block, spec, flags=0):
-    packed = BsrKernelWeight.pack(w, block)
-    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec))], flags)
-    return packed
-
-
-@pytest.mark.parametrize("tile_m", STREAM_TILES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-def test_small_batch_kernel_matches_fp64(block, dtype, tile_m, stream_kernels):
-    """The streaming kernel (bsr_sm90) on its own, 1 and 4 rows of x per CTA, over batch sizes
-    that leave partial tiles, on a weight with an empty block row, into a poisoned y; its
-    splitting of block rows across warps is exercised by a tall weight (few slices: split)."""
-    gen = torch.Generator().manual_seed(20)
-    for n_blocks, k_blocks in ((5, 7), (2, 40)):
-        w = weight(block, n_blocks, k_blocks, 0.4, dtype, seed=21 + k_blocks)
-        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, tile_m)])
-        bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
-        for m in (1, 3, 4, 9):
-            x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
-            error = rel_error(run_poisoned(packed, x, bias, "relu", m), reference(x, w, bias, "relu"))
-            assert error <= TOLERANCE[dtype], (n_blocks, k_blocks, m, error)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, stream_kernels):
-    """The streaming kernel: every activation with and without bias; a fully empty and a fully
-    dense weight; NaN/Inf of x like dense (checked output by output against IEEE products, and
-    skipped when the site is unchecked); CUDA-graph replay."""
-    block = (32, 32)
-    spec = stream_kernels[(block, dtype, 1)]
-    gen = torch.Generator().manual_seed(30)
-    w = weight(block, 6, 8, 0.4, dtype, seed=31)
-    packed = on_stream_kernel(w, block, spec)
-    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
-    x = torch.randn(3, w.shape[1], generator=gen).to(dtype).cuda()
-    for activation in ACTIVATION_CODES:
-        for b in (None, bias):
-            error = rel_error(run(packed, x, b, activation), reference(x, w, b, activation))
-            assert error <= TOLERANCE[dtype], (activation, b is not None, error)
-    empty = torch.zeros_like(w)
-    assert torch.equal(run(on_stream_kernel(empty, block, spec), x, bias, "gelu"),
-                       reference(x, empty, bias, "gelu").to(dtype))
-    full = weight(block, 6, 8, 1.0, dtype, seed=32, empty_rows=())
-    assert rel_error(run(on_stream_kernel(full, block, spec), x, bias, "silu"),
-                     reference(x, full, bias, "silu")) <= TOLERANCE[dtype]
-    bad = torch.randn(4, w.shape[1], generator=gen).to(dtype).cuda()
-    bad[0, 5] = float("nan")
-    bad[2, 100] = float("inf")
-    bad[2, 200] = float("-inf")
-    for m in (1, 4):
-        got = run(packed, bad[:m], bias, "relu")
-        assert_same_nonfinite(got, ieee_reference(bad[:m], w, bias, "relu").to(dtype), dtype)
-    unchecked = on_stream_kernel(w, block, spec, UNCHECKED_NONFINITE)
-    checked, skipped = run(packed, bad, bias, "relu"), run(unchecked, bad, bias, "relu")
-    assert torch.equal(skipped[1], checked[1]) and skipped[0].isnan().sum() < checked[0].isnan().sum()
-    assert replays_like_eager(lambda x: run(packed, x, None, "gelu_tanh"), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,91 @@
+"""The streaming (small-batch) BSR kernel, templates/bsr_sm90.cu.j2, on its own on the GPU
+(skipped without a Hopper GPU and nvcc): every block shape, 1 and 4 rows of x per CTA, batch
+sizes that leave partial tiles, an empty block row, poisoned outputs, every activation, fully
+empty and fully dense weights, NaN/Inf like dense (and skipped when unchecked), CUDA graphs.
+Apart from test_gpu_bsr.py so that a GPU session can run them without building the wgmma
+kernels (conftest builds the selected modules' KERNELS)."""
+import pytest
+import torch
+
+from sparsecc import gpu, runtime
+from sparsecc.bsr_kernel import BsrKernelWeight
+from sparsecc.codegen import Family, KernelSpec
+from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE
+
+from conftest import TOLERANCE, rel_error, replays_like_eager
+from test_bad_input import assert_same_nonfinite, ieee_reference
+from test_gpu_bsr import BLOCKS, DTYPES, dtype_name, pytestmark, run, run_poisoned, weight  # noqa: F401
+from test_gpu_kernels import reference
+
+STREAM_TILES = (1, 4)
+#: the kernel of every block, dtype and tile of rows of x the tests below run
+SPECS = {(block, dtype, tile_m): KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
+         for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES}
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = list(SPECS.values())
+
+
+@pytest.fixture(scope="module")
+def stream_kernels():
+    """:data:`SPECS`, their kernels loaded."""
+    runtime.ensure(KERNELS, progress=False)
+    return SPECS
+
+
+def on_stream_kernel(w, block, spec, flags=0):
+    packed = BsrKernelWeight.pack(w, block)
+    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec))], flags)
+    return packed
+
+
+@pytest.mark.parametrize("tile_m", STREAM_TILES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_small_batch_kernel_matches_fp64(block, dtype, tile_m, stream_kernels):
+    """The streaming kernel (bsr_sm90) on its own, 1 and 4 rows of x per CTA, over batch sizes
+    that leave partial tiles, on a weight with an empty block row, into a poisoned y; its
+    splitting of block rows across warps is exercised by a tall weight (few slices: split)."""
+    gen = torch.Generator().manual_seed(20)
+    for n_blocks, k_blocks in ((5, 7), (2, 40)):
+        w = weight(block, n_blocks, k_blocks, 0.4, dtype, seed=21 + k_blocks)
+        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, tile_m)])
+        bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+        for m in (1, 3, 4, 9):
+            x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+            error = rel_error(run_poisoned(packed, x, bias, "relu", m), reference(x, w, bias, "relu"))
+            assert error <= TOLERANCE[dtype], (n_blocks, k_blocks, m, error)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, stream_kernels):
+    """The streaming kernel: every activation with and without bias; a fully empty and a fully
+    dense weight; NaN/Inf of x like dense (checked output by output against IEEE products, and
+    skipped when the site is unchecked); CUDA-graph replay."""
+    block = (32, 32)
+    spec = stream_kernels[(block, dtype, 1)]
+    gen = torch.Generator().manual_seed(30)
+    w = weight(block, 6, 8, 0.4, dtype, seed=31)
+    packed = on_stream_kernel(w, block, spec)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+    x = torch.randn(3, w.shape[1], generator=gen).to(dtype).cuda()
+    for activation in ACTIVATION_CODES:
+        for b in (None, bias):
+            error = rel_error(run(packed, x, b, activation), reference(x, w, b, activation))
+            assert error <= TOLERANCE[dtype], (activation, b is not None, error)
+    empty = torch.zeros_like(w)
+    assert torch.equal(run(on_stream_kernel(empty, block, spec), x, bias, "gelu"),
+                       reference(x, empty, bias, "gelu").to(dtype))
+    full = weight(block, 6, 8, 1.0, dtype, seed=32, empty_rows=())
+    assert rel_error(run(on_stream_kernel(full, block, spec), x, bias, "silu"),
+                     reference(x, full, bias, "silu")) <= TOLERANCE[dtype]
+    bad = torch.randn(4, w.shape[1], generator=gen).to(dtype).cuda()
+    bad[0, 5] = float("nan")
+    bad[2, 100] = float("inf")
+    bad[2, 200] = float("-inf")
+    for m in (1, 4):
+        got = run(packed, bad[:m], bias, "relu")
+        assert_same_nonfinite(got, ieee_reference(bad[:m], w, bias, "relu").to(dtype), dtype)
+    unchecked = on_stream_kernel(w, block, spec, UNCHECKED_NONFINITE)
+    checked, skipped = run(packed, bad, bias, "relu"), run(unchecked, bad, bias, "relu")
+    assert torch.equal(skipped[1], checked[1]) and skipped[0].isnan().sum() < checked[0].isnan().sum()
+    assert replays_like_eager(lambda x: run(packed, x, None, "gelu_tanh"), x)

@@ -192,12 +192,12 @@ def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
         return 0.0
     from .codegen import CSR_TILE_N, Family, KernelSpec
     if w.impl == "csr-kernel":
-        from .csr_kernel import TILE_K, expected_capacity
+        from .csr_kernel import TILE_K, expected_capacity, k_slices
         tile_m = (w.tile or (CSR_TILE_N, 16))[1]
         spec = KernelSpec(Family.CSR_SM90, "float16", tile=(CSR_TILE_N, tile_m, expected_capacity(w.density)))
         ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
         k_tiles = math.ceil(w.k / TILE_K)
-        splits = max(1, min(2 * sms // max(ctas, 1), 16, k_tiles // (2 * spec.csr_step_tiles)))  # as the kernel splits K
+        splits = k_slices(math.ceil(w.n / CSR_TILE_N) * CSR_TILE_N, w.m, w.k, spec, sms)
         per_cta = math.ceil(k_tiles / splits / spec.csr_step_tiles)
         return per_cta * max(1.0, ctas * splits / (sms * RESIDENT_CTAS[w.impl]))
     h, bw = w.block or (32, 32)

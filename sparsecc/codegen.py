@@ -136,6 +136,15 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
+def _csr_stages_fitting(tile_m: int, capacity: int, step_tiles: int) -> int:
+    """Pipeline stages of the CSR kernel that fit 113 KB of shared memory (two CTAs per SM) beside
+    its double-buffered dense tile and the K slice's tile offsets (1 KB): a stage holds x's
+    columns and the entries (2-byte value, 2-byte slot) of ``step_tiles`` tiles."""
+    step_k = 64 * step_tiles
+    stage_bytes = tile_m * step_k * 2 + capacity * step_tiles * 4
+    return (113 * 1024 - 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One kernel: family, dtype, operand layouts and tiling. Validated on creation.
@@ -209,19 +218,21 @@ class KernelSpec:
     @property
     def csr_step_tiles(self) -> int:
         """Weight tiles (along K) per pipeline stage of the CSR kernel: four for x tiles of up to 32
-        rows, two for 64, one for 128, and fewer for large tile capacities (shared memory)."""
+        rows, two for 64, one for 128, halved while three stages do not fit (large tile capacities)."""
         _, tile_m, capacity = self.tile
-        return min({16: 4, 32: 4, 64: 2, 128: 1}[tile_m], CSR_CAPACITIES[-1] // capacity)
+        tiles = {16: 4, 32: 4, 64: 2, 128: 1}[tile_m]
+        while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles) < 3:
+            tiles //= 2
+        return tiles
 
     @property
     def csr_stages(self) -> int:
-        """Pipeline stages of the CSR kernel: as many as fit the shared memory of two CTAs per SM
-        (113 KB each, less the double-buffered dense tile), between 2 and 8: a sparse weight's
-        small tile capacity buys a deep pipeline, which hides memory latency at small batch."""
+        """Pipeline stages of the CSR kernel: as many as fit the shared memory of two CTAs per SM,
+        between 3 (the helper warps refill a stage two steps after the one they scatter) and 8:
+        a sparse weight's small tile capacity buys a deep pipeline, which hides memory latency
+        at small batch."""
         _, tile_m, capacity = self.tile
-        step_k = 64 * self.csr_step_tiles
-        stage_bytes = (tile_m * step_k * 2 + capacity * self.csr_step_tiles * 4)   # x, then values and positions
-        return max(2, min(8, (113 * 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes))
+        return max(3, min(8, _csr_stages_fitting(tile_m, capacity, self.csr_step_tiles)))
 
     @property
     def symbol(self) -> str:

@@ -121,7 +121,7 @@ class Decision:
 
 def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int, on_kernel: bool = False) -> int:
     """Bytes of ``spec``'s packed form for this weight (values plus indices); ``on_kernel``: in
-    the layout of sparsecc's kernel (for CSR: 16-bit in-tile positions, counts padded to 8)."""
+    the layout of sparsecc's kernel (for CSR: 16-bit in-tile slots, counts padded to 8)."""
     n_rows, k = stats.shape
     if spec.kind == "dense":
         return stats.numel * element_size

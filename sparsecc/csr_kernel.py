@@ -7,11 +7,12 @@ weight's bytes, it reads 4 bytes per non-zero instead of 2 per element. The pack
 :data:`TILE_K` columns and stores each tile's non-zeros in row-major order:
 
 - ``values``: the entries, tile after tile (by row of tiles, then by column), each tile's
-  count padded to a multiple of 8 (16-byte loads) with zeros;
+  count padded to a multiple of 8 (16-byte loads) with copies of its last entry (writing an
+  entry twice leaves the tile as it was, so the kernel needs no test for padding);
 - ``metadata`` (int32): ``tile_ptr [R * T + 1]`` (entries before each tile, R = N / 64 rows
-  of tiles, T = ceil(K / 64)), zero-padded to a multiple of 4 words, then the entries'
-  positions in their tile (``row * 64 + column``) as uint16, two per word; padding entries
-  have position :data:`PADDING`.
+  of tiles, T = ceil(K / 64)), zero-padded to a multiple of 4 words, then each entry's slot
+  as uint16, two per word: where the kernel's shared-memory copy of the dense tile keeps
+  it (:func:`slot`, the kernel's swizzle, computed here once instead of per entry per call).
 
 Packing is torch ops on any device and round-trips exactly. The kernel is compiled for a
 tile capacity (stored entries per tile, padded): the smallest of
@@ -32,10 +33,23 @@ from .formats import CSR, INDEX_DTYPE
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
 
 TILE_K = 64
-PADDING = 0xFFFF
 #: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS`: a 16-row tile up to
 #: 16 rows (the memory-bound range, split over K), then 64 and 128
 DEFAULT_TILE_M = {1: 16, 16: 16, 128: 64, 2048: 128, 0: 128}
+
+
+def slot(row: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """Where the kernel keeps element (row, column) of a 64x64 tile in shared memory: 8-row
+    groups of 512 elements, in each 16-byte chunks of 8 columns, a chunk's rows in the order
+    row XOR chunk (ldmatrix reads them without bank conflicts). A bijection on 0..4095."""
+    chunk = column >> 3
+    return (row >> 3) * 512 + chunk * 64 + ((row & 7) ^ chunk) * 8 + (column & 7)
+
+
+def coordinates(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of each slot: the inverse of :func:`slot`."""
+    chunk = (slots >> 6) & 7
+    return (slots >> 9) * 8 + (((slots >> 3) & 7) ^ chunk), chunk * 8 + (slots & 7)
 
 
 def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
@@ -59,6 +73,25 @@ def expected_capacity(density: float) -> int:
 def capacity_for(fullest_tile: int) -> int:
     """The smallest compiled tile capacity that holds a tile of ``fullest_tile`` padded entries."""
     return next(c for c in CSR_CAPACITIES if c >= fullest_tile)
+
+
+def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms: int) -> int:
+    """The K slices the kernel splits ``m`` rows into (its ``splits_for``): none while its CTAs
+    fill two per SM; else, for x tiles of up to 64 rows, the count whose waves carry the
+    least work per slice, and for 128-row tiles as many as fit one wave."""
+    ctas = out_features // CSR_TILE_N * -(-m // spec.tile[1])
+    k_tiles = -(-in_features // TILE_K)
+    most = max(1, min(16, k_tiles // (2 * spec.csr_step_tiles)))
+    fewest = -(-k_tiles // 252)
+    chosen, best, resident = 1, 1.0, 2 * sms                     # CTAs the GPU runs at once
+    if spec.tile[1] >= 128:
+        chosen = max(1, min(most, resident // ctas))
+    elif ctas < resident:
+        for s in range(2, most + 1):
+            waves_per_slice = -(-ctas * s // resident) / s
+            if waves_per_slice < 0.99 * best:
+                best, chosen = waves_per_slice, s
+    return max(fewest, chosen)
 
 
 def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
@@ -90,10 +123,10 @@ class CsrKernelWeight(KernelWeight):
         return self.metadata[: self.tile_count + 1]
 
     @property
-    def positions(self) -> torch.Tensor:
-        """The entries' in-tile positions, as int32 in 0..65535."""
+    def slots(self) -> torch.Tensor:
+        """The entries' slots in their tile (:func:`slot`), as int64 in 0..4095."""
         start = -(-(self.tile_count + 1) // 4) * 4
-        return self.metadata[start:].view(torch.int16).to(torch.int32) & 0xFFFF
+        return self.metadata[start:].view(torch.int16).long() & 0xFFFF
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "CsrKernelWeight":
@@ -110,14 +143,14 @@ class CsrKernelWeight(KernelWeight):
         padded = (counts + 7) // 8 * 8
         tile_ptr = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
         tile, position = nonzero.nonzero(as_tuple=True)            # by tile, then by position
-        rank = torch.arange(tile.numel(), device=weight.device) - (counts.cumsum(0) - counts)[tile]
-        slot = tile_ptr[tile] + rank
         total = int(tile_ptr[-1])
-        values = weight.new_zeros(total)
-        values[slot] = tiles[tile, position]
-        positions = torch.full((total,), PADDING, dtype=torch.int32, device=weight.device)
-        positions[slot] = position.to(torch.int32)
-        pairs = torch.where(positions >= 1 << 15, positions - (1 << 16), positions).to(torch.int16).view(INDEX_DTYPE)
+        # every stored entry, padding included: the tile's (rank)th entry, or its last one
+        owner = torch.repeat_interleave(torch.arange(counts.numel(), device=weight.device), padded, output_size=total)
+        rank = torch.arange(total, device=weight.device) - tile_ptr[owner]
+        source = (counts.cumsum(0) - counts)[owner] + torch.minimum(rank, counts[owner] - 1)
+        values = tiles[tile[source], position[source]] if total else weight.new_zeros(0)
+        slots = slot(position[source] // TILE_K, position[source] % TILE_K).to(torch.int32)
+        pairs = torch.where(slots >= 1 << 15, slots - (1 << 16), slots).to(torch.int16).view(INDEX_DTYPE)
         header = torch.zeros(-(-(tile_ptr.numel()) // 4) * 4, dtype=INDEX_DTYPE, device=weight.device)
         header[: tile_ptr.numel()] = tile_ptr.to(INDEX_DTYPE)
         fullest = int(padded.max()) if padded.numel() else 0
@@ -142,10 +175,9 @@ class CsrKernelWeight(KernelWeight):
         k_tiles = -(-k // TILE_K)
         ptr = self.tile_ptr.long()
         tile = torch.repeat_interleave(torch.arange(self.tile_count, device=ptr.device), ptr[1:] - ptr[:-1])
-        position = self.positions.long()
-        stored = position != PADDING
+        row, column = coordinates(self.slots)
         tiles = self.values.new_zeros(self.tile_count, CSR_TILE_N * TILE_K)
-        tiles[tile[stored], position[stored]] = self.values[stored]
+        tiles[tile, row * TILE_K + column] = self.values               # padding repeats an entry: same value
         dense = tiles.reshape(n // CSR_TILE_N, k_tiles, CSR_TILE_N, TILE_K).permute(0, 2, 1, 3)
         return dense.reshape(n, k_tiles * TILE_K)[:, :k].contiguous()
 

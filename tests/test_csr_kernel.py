@@ -7,8 +7,8 @@ import torch
 from sparsecc.analysis import analyze
 from sparsecc.codegen import CSR_CAPACITIES, TILES, Family, KernelSpec
 from sparsecc.cost import CostModel, format_nbytes
-from sparsecc.csr_kernel import (DEFAULT_TILE_M, PADDING, TILE_K, CsrKernelWeight, capacity_for, dispatch,
-                                 shape_supported, tile_m_for)
+from sparsecc.csr_kernel import (DEFAULT_TILE_M, TILE_K, CsrKernelWeight, capacity_for, coordinates, dispatch, k_slices,
+                                 shape_supported, slot, tile_m_for)
 from sparsecc.errors import InputError
 from sparsecc.formats import CSR
 from sparsecc.gpu import M_BUCKETS
@@ -27,28 +27,39 @@ def test_pack_round_trips_and_stores_tiles_as_the_kernel_reads_them(shape, dtype
     weight[5] = 0                                                  # an empty row
     packed = CsrKernelWeight.pack(weight)
     assert torch.equal(packed.to_dense(), weight)
-    ptr, positions = packed.tile_ptr.long(), packed.positions
+    ptr, slots = packed.tile_ptr.long(), packed.slots
     k_tiles = -(-k // TILE_K)
     assert packed.tile_count == n // 64 * k_tiles and ptr[0] == 0 and (ptr % 8 == 0).all()
-    assert packed.values.numel() == positions.numel() == ptr[-1]
+    assert packed.values.numel() == slots.numel() == ptr[-1]
     for tile in range(packed.tile_count):                          # what the kernel scatters for each tile
         rows, cols = tile // k_tiles * 64, tile % k_tiles * TILE_K
-        block = torch.zeros(64, TILE_K, dtype=dtype)
-        entries = range(ptr[tile].item(), ptr[tile + 1].item())
-        stored = [positions[e].item() for e in entries if positions[e].item() != PADDING]
-        assert stored == sorted(stored)                            # row-major within the tile
-        for e in entries:
-            p = positions[e].item()
-            if p == PADDING:
-                assert packed.values[e] == 0
-            else:
-                block[p // TILE_K, p % TILE_K] = packed.values[e]
         expected = torch.zeros(64, TILE_K, dtype=dtype)
         part = weight[rows:rows + 64, cols:cols + TILE_K]
         expected[:, :part.shape[1]] = part
-        assert torch.equal(block, expected), tile
+        shared = torch.zeros(64 * TILE_K, dtype=dtype)             # the kernel's copy of the tile
+        entries = range(ptr[tile].item(), ptr[tile + 1].item())
+        for e in entries:                                          # padding included, no test for it
+            shared[slots[e]] = packed.values[e]
+        assert len(entries) == -(-int((expected != 0).sum()) // 8) * 8
+        row, column = torch.meshgrid(torch.arange(64), torch.arange(TILE_K), indexing="ij")
+        assert torch.equal(shared[slot(row, column)], expected), tile
+        real = int((expected != 0).sum())                          # then copies of the last one
+        assert len(set(slots[ptr[tile]:ptr[tile] + real].tolist())) == real
+        assert set(slots[ptr[tile] + real:ptr[tile + 1]].tolist()) <= {slots[ptr[tile] + real - 1].item()}
     assert packed.metadata.dtype == torch.int32 and packed.spec == CSR
     assert packed.nbytes == packed.values.numel() * weight.element_size() + packed.metadata.numel() * 4
+
+
+def test_slots_are_a_bijection_on_a_tile_that_ldmatrix_reads_without_conflicts():
+    row, column = torch.meshgrid(torch.arange(64), torch.arange(TILE_K), indexing="ij")
+    slots = slot(row, column)
+    assert sorted(slots.flatten().tolist()) == list(range(64 * TILE_K))
+    back_row, back_column = coordinates(slots)
+    assert torch.equal(back_row, row) and torch.equal(back_column, column)
+    # one ldmatrix phase reads 8 rows of one 16-byte chunk: they land in 8 different 16-byte bank groups
+    for chunk in range(8):
+        groups = {(slot(torch.tensor(r), torch.tensor(chunk * 8)).item() % 64) // 8 for r in range(8)}
+        assert len(groups) == 8
 
 
 def test_capacity_is_the_smallest_that_holds_the_fullest_tile(gen):
@@ -83,11 +94,13 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
         assert all(launch.spec.family is Family.CSR_SM90 and launch.spec.tile in TILES[Family.CSR_SM90]
                    and launch.spec.tile[2] == capacity for _, launch in table)
     assert tile_m_for(1) == DEFAULT_TILE_M[1] == 16 and tile_m_for(100_000) == DEFAULT_TILE_M[0]
-    for tile in TILES[Family.CSR_SM90]:             # two CTAs per SM, or one where two stages do not fit
+    for tile in TILES[Family.CSR_SM90]:             # two CTAs per SM, three stages at least (the helper warps' ring)
         spec = KernelSpec(Family.CSR_SM90, "float16", tile=tile)
         step_k = 64 * spec.csr_step_tiles
-        shared = spec.csr_stages * (tile[1] * step_k * 2 + tile[2] * spec.csr_step_tiles * 4) + 2 * 64 * step_k * 2
-        assert 2 <= spec.csr_stages <= 6 and shared <= (113 << 10 if spec.csr_stages > 2 else 227 << 10), tile
+        offsets = 1024
+        shared = (spec.csr_stages * (tile[1] * step_k * 2 + tile[2] * spec.csr_step_tiles * 4) + 2 * 64 * step_k * 2
+                  + offsets)
+        assert 3 <= spec.csr_stages <= 8 and shared <= 113 << 10, tile
     steps = [KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, c)).csr_step_tiles for c in CSR_CAPACITIES]
     assert steps == sorted(steps, reverse=True) and steps[0] == 4 and steps[-1] == 1
     assert KernelSpec(Family.CSR_SM90, "float16", tile=(64, 32, 2048)).symbol == "sparsecc_csr_sm90_f16_n64_m32_c2048"
@@ -122,3 +135,20 @@ def test_plan_kernels_lists_every_capacity_a_csr_site_may_need():
     denser = plan_kernels([SimpleNamespace(**{**vars(site), "density": 0.4})])
     assert {s.tile[2] for s in denser} == {2048, 4096}
     assert plan_kernels([SimpleNamespace(**{**vars(site), "dtype": "float32"})]) == []
+
+
+def test_k_slices_fill_the_gpu_without_a_costly_partial_wave():
+    """The kernel's split of K (mirrored by k_slices): none while the CTAs fill two slots per SM;
+    else the count with the least waves per slice, the smallest among equals."""
+    spec16 = KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, 2048))
+    assert k_slices(11008, 16, 4096, spec16, 132) == 3             # 172 CTAs: 516 in two waves of 264
+    assert k_slices(4096, 16, 4096, spec16, 132) == 4              # 64 CTAs: 256 in one wave
+    spec128 = KernelSpec(Family.CSR_SM90, "float16", tile=(64, 128, 256))
+    assert k_slices(11008, 2048, 4096, spec128, 132) == 1
+    assert k_slices(768, 2048, 3072, spec128, 132) == 1               # 192 CTAs: one wave, no fp32 slices
+    assert k_slices(768, 128, 3072, spec128, 132) == 16                # 12 CTAs: one wave's worth, at most 16
+    for n, k in [(768, 3072), (3072, 768), (1024, 4096), (4096, 11008)]:
+        s = k_slices(n, 16, k, spec16, 132)
+        ctas = n // 64
+        assert 1 <= s <= max(1, -(-k // 64) // (2 * spec16.csr_step_tiles))
+        assert -(-ctas * s // 264) / s <= 1.0

@@ -177,7 +177,8 @@ def main():
                 print(f"M={m:5d} {n}x{k} d={density}: " + " ".join(
                     f"{r['impl']}{'/' + str(r['splits']) if r.get('splits_asked', 1) > 1 else ''}={r['us']:.1f}"
                     + (f"(err {r['rel_err']:.1e})" if r.get("rel_err", 0) > 3e-3 else "") for r in here), flush=True)
-    (out / "csr_variants.json").write_text(json.dumps(result, indent=1))
+    if not args.profile:                  # a profiling run times nothing: keep an earlier run's file
+        (out / "csr_variants.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

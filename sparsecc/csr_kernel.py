@@ -36,6 +36,8 @@ TILE_K = 64
 #: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS`: a 16-row tile up to
 #: 16 rows (the memory-bound range, split over K), then 64 and 128
 DEFAULT_TILE_M = {1: 16, 16: 16, 128: 64, 2048: 128, 0: 128}
+#: the kernel's kMaxSplits (K slices at most) and kMaxSliceTiles (tiles along K per slice at most)
+MAX_SPLITS, MAX_SLICE_TILES = 16, 252
 
 
 def slot(row: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,8 @@ def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms:
     least work per slice, and for 128-row tiles as many as fit one wave."""
     ctas = out_features // CSR_TILE_N * -(-m // spec.tile[1])
     k_tiles = -(-in_features // TILE_K)
-    most = max(1, min(16, k_tiles // (2 * spec.csr_step_tiles)))
-    fewest = -(-k_tiles // 252)
+    most = max(1, min(MAX_SPLITS, k_tiles // (2 * spec.csr_step_tiles)))
+    fewest = -(-k_tiles // MAX_SLICE_TILES)
     chosen, best, resident = 1, 1.0, 2 * sms                     # CTAs the GPU runs at once
     if spec.tile[1] >= 128:
         chosen = max(1, min(most, resident // ctas))
@@ -148,7 +150,7 @@ class CsrKernelWeight(KernelWeight):
         owner = torch.repeat_interleave(torch.arange(counts.numel(), device=weight.device), padded, output_size=total)
         rank = torch.arange(total, device=weight.device) - tile_ptr[owner]
         source = (counts.cumsum(0) - counts)[owner] + torch.minimum(rank, counts[owner] - 1)
-        values = tiles[tile[source], position[source]] if total else weight.new_zeros(0)
+        values = tiles[tile[source], position[source]]
         slots = slot(position[source] // TILE_K, position[source] % TILE_K).to(torch.int32)
         pairs = torch.where(slots >= 1 << 15, slots - (1 << 16), slots).to(torch.int16).view(INDEX_DTYPE)
         header = torch.zeros(-(-(tile_ptr.numel()) // 4) * 4, dtype=INDEX_DTYPE, device=weight.device)

@@ -34,6 +34,8 @@ class Family(str, enum.Enum):
     BSR_SM90 = "bsr_sm90"
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
     CSR_SM90 = "csr_sm90"
+    RESIDUAL_SM90 = "residual_sm90"
+    SPMM_SM90 = "spmm_sm90"
 
     @property
     def arch(self) -> str:
@@ -66,10 +68,18 @@ class Family(str, enum.Enum):
         return self.value.startswith("csr")
 
     @property
+    def per_entry(self) -> bool:
+        """A CUDA-core kernel whose work follows a CSR weight's stored entries, with 8 rows of x
+        staged in shared memory (templates/staged_x.j2): the residual pass of a split weight and
+        the sparse product (tile = rows of x per CTA, threads per CTA, the largest K staged)."""
+        return self in (Family.RESIDUAL_SM90, Family.SPMM_SM90)
+
+    @property
     def own_launch(self) -> bool:
-        """A kernel written with its own launch (gemv, BSR, CSR): no CUTLASS schedule, scheduler,
-        cluster or operand-layout options (the op transposes x and y where a site needs it)."""
-        return self.gemv or self.bsr or self.csr
+        """A kernel written with its own launch (gemv, BSR, CSR, per entry): no CUTLASS
+        schedule, scheduler, cluster or operand-layout options (the op transposes x and y where
+        a site needs it)."""
+        return self.gemv or self.bsr or self.csr or self.per_entry
 
 
 class Schedule(str, enum.Enum):
@@ -126,13 +136,17 @@ CSR_TILE_N = 64
 CSR_TILE_M = (16, 32, 64, 128)
 CSR_CAPACITIES = (256, 512, 1024, 2048, 4096)
 TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_CAPACITIES}
+#: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
+#: threads, K up to 12288 staged (192 KB of shared memory)
+TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
                 Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
                 Family.BSR_SM90: (64, 64, 1), Family.BSR_SM90_WGMMA: (64, 64, 128),
-                Family.CSR_SM90: (CSR_TILE_N, 64, 1024)}
+                Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.RESIDUAL_SM90: (8, 256, 12288),
+                Family.SPMM_SM90: (8, 256, 12288)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
@@ -242,6 +256,8 @@ class KernelSpec:
         if self.family.bsr:
             h, w, m = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_b{h}x{w}_m{m}"
+        if self.family.per_entry:
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_r{self.tile[0]}"
         if self.family.csr:
             n, m, capacity = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}"

@@ -234,6 +234,8 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
             if isinstance(packed, SmallBatchWeight):
                 plan[site.name].reason += (f"; batch {site.m} <= {packed.max_m}: the memory-bound {packed.kernel} "
                                            "(larger batches run on it too, slower than on the GEMMs)")
+            if getattr(packed, "selection", ""):
+                plan[site.name].reason += f"; packed for {packed.selection}"
             return packed
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":

@@ -242,7 +242,6 @@ class CostModel:
     @staticmethod
     def _kernel_refuses(stats: WeightStats, spec: FormatSpec) -> str | None:
         """Why sparsecc's kernels cannot run ``spec`` for this weight's shape and dtype, or None."""
-        from . import csr_kernel
         from .bsr_kernel import block_supported
         from .gpu import shape_supported
         dtype = getattr(torch, stats.dtype)
@@ -251,7 +250,8 @@ class CostModel:
         if spec.kind == "bsr" and spec.block is not None:
             return block_supported(spec.block, dtype)
         if spec.kind == "csr":
-            return csr_kernel.shape_supported(*stats.shape, dtype)
+            from .kernel_packing import unstructured_refused
+            return unstructured_refused(*stats.shape, dtype)
         return f"sparsecc has no kernel for {spec}"
 
     def cpu_speed(self) -> float:
@@ -453,7 +453,9 @@ class CostModel:
                         "CUTLASS kernel at batches it does not take)" if family
                         else "; runs on sparsecc's sm90 2:4 CUTLASS kernel")
             return {"bsr": "; runs on sparsecc's BSR kernel (tensor cores)",
-                    "csr": "; runs on sparsecc's CSR kernel (sparse loads, tensor cores)"}[spec.kind]
+                    "csr": "; runs on sparsecc's CSR kernels (tiled, split onto the 2:4 kernels plus a "
+                           "residual pass, or per entry on CUDA cores: whichever times fastest on the "
+                           "weight)"}[spec.kind]
         return f"; on torch, not sparsecc's kernel: {self.kernels_unavailable or self._kernel_refuses(stats, spec)}"
 
     def _choose(self, pool, times, worst_ratio, predictions) -> tuple[FormatSpec, str]:

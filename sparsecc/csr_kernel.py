@@ -113,6 +113,7 @@ class CsrKernelWeight(KernelWeight):
     """An unstructured sparse weight in the tiled layout of the CSR kernel (see the module docstring)."""
 
     capacity: int = CSR_CAPACITIES[-1]
+    selection: str = ""       # why compile packed the weight for this kernel (kernel_packing.pack_unstructured)
 
     spec = CSR
 

@@ -182,11 +182,14 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     M where small_batch_family picks them, else the 2:4 compressor and the GEMMs) and of every BSR site; for sm_80
     the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time.
     A CSR site's kernels depend on its fullest tile, which the plan does not record: it gets
-    those of every tile capacity its density may need (the expected fullest tile and above)."""
-    from . import csr_kernel
+    those of every tile capacity its density may need (the expected fullest tile and above),
+    and, where they take its shape, those of a 2:4 site with the residual pass and the CUDA-core
+    CSR kernel (compile times them all: sparsecc.kernel_packing.pack_unstructured)."""
+    from . import csr_kernel, csr_split, csr_spmm
     from .bsr_kernel import block_supported
     from .bsr_kernel import dispatch as bsr_dispatch
     from .codegen import CSR_CAPACITIES
+    from .kernel_packing import SPMM_MAX_DENSITY
     specs: list[KernelSpec] = []
     for site in plan:
         choice = FormatSpec.parse(site.choice)
@@ -197,7 +200,13 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
             expected = csr_kernel.expected_capacity(site.density)
             specs += [launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
                       for _, launch in csr_kernel.dispatch(dtype, capacity)]
-        if choice != NM_2_4 or shape_supported(*site.shape, dtype):
+        split = choice.kind == "csr" and csr_split.shape_supported(*site.shape, dtype) is None
+        if split and "sm_90a" in archs:
+            specs.append(csr_split.residual_spec(dtype))
+        if (choice.kind == "csr" and "sm_90a" in archs and site.density <= SPMM_MAX_DENSITY
+                and csr_spmm.shape_supported(*site.shape, dtype) is None):
+            specs.append(csr_spmm.spmm_spec(dtype))
+        if (choice != NM_2_4 and not split) or shape_supported(*site.shape, dtype):
             continue
         small = small_batch_family(site.m, site.dtype, *site.shape)
         if "sm_90a" in archs and small is not None:
@@ -205,7 +214,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
         elif "sm_90a" in archs:
             specs.append(KernelSpec(Family.SM90_COMPRESS24, site.dtype))
             specs += [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
-        if "sm_80" in archs:
+        if "sm_80" in archs and choice == NM_2_4:
             specs.append(KernelSpec.default(Family.SM80_SPARSE24, site.dtype))
     return list(dict.fromkeys(specs))
 

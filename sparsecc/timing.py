@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .formats import FormatSpec, pack
+from .formats import FormatSpec, PackedWeight, pack
 from .ops import OP_FOR_KIND
 
 #: formats whose torch implementation reads a value back to the host on every call (the
@@ -53,12 +53,18 @@ def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bo
         packed = pack_for_kernels(weight, spec, planned_m if planned_m is not None else m)
     else:
         packed = pack(weight, spec)
+    return packed_runner(packed, m, weight.device, on_kernel=on_kernel)
+
+
+def packed_runner(packed: PackedWeight, m: int, device: torch.device, *,
+                  on_kernel: bool = True) -> Callable[[], torch.Tensor]:
+    """:func:`site_runner` for a weight packed already (``on_kernel``: for sparsecc's kernels)."""
     op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    x = torch.randn(m, packed.shape[1], dtype=packed.dtype, device=device)
     args = (x, *packed.tensors().values(), *packed.scalars().values(), None, "none", False, False,
             *getattr(packed, "extra_args", ()))
     copies = 1
-    if weight.device.type == "cuda":
+    if torch.device(device).type == "cuda":
         nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
         copies = copies_for(nbytes)
     sets = [args] + [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args) for _ in range(copies - 1)]

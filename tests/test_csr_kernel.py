@@ -107,8 +107,8 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
 
 
 def test_cost_model_runs_unstructured_weights_on_the_kernel_where_it_can(gen):
-    """With kernels available a 16-bit CSR site runs on sparsecc's kernel (its own fit, its packed
-    size); float32, or out features that are not a multiple of 64, stay on torch's path."""
+    """With kernels available a 16-bit CSR site runs on sparsecc's kernels (the tiled kernel's fit, its
+    packed size); float32, or in features that no CSR kernel takes, stay on torch's path."""
     weight = unstructured(512, 1024, 0.05, gen, torch.float16)
     model = CostModel("cuda", calibration=None, kernels_unavailable=None)
     stats = analyze(weight)
@@ -119,7 +119,7 @@ def test_cost_model_runs_unstructured_weights_on_the_kernel_where_it_can(gen):
     predicted = next(p.nbytes for p in decision.candidates if p.format == "csr")
     actual = CsrKernelWeight.pack(weight).nbytes
     assert abs(predicted / actual - 1) < 0.02 and predicted < format_nbytes(stats, CSR, 2)
-    for other in (weight.float(), unstructured(96, 1024, 0.05, gen, torch.float16)):
+    for other in (weight.float(), unstructured(128, 1020, 0.05, gen, torch.float16)):    # K % 8 != 0: no CSR kernel
         stats = analyze(other)
         assert model.runs_on(stats, CSR, 16) == "csr"
         assert "not sparsecc's kernel: the CSR kernel" in model.decide(stats, 16, [CSR]).reason
@@ -130,9 +130,9 @@ def test_plan_kernels_lists_every_capacity_a_csr_site_may_need():
 
     from sparsecc.gpu import plan_kernels
     site = SimpleNamespace(choice="csr", dtype="float16", shape=[1024, 4096], density=0.1, m=16)
-    specs = plan_kernels([site])           # 410 entries a tile on average: the fullest needs 1024
-    assert {s.tile[2] for s in specs} == {1024, 2048, 4096} and all(s.family is Family.CSR_SM90 for s in specs)
-    denser = plan_kernels([SimpleNamespace(**{**vars(site), "density": 0.4})])
+    specs = [s for s in plan_kernels([site]) if s.family is Family.CSR_SM90]
+    assert {s.tile[2] for s in specs} == {1024, 2048, 4096}      # 410 entries a tile on average: the fullest needs 1024
+    denser = [s for s in plan_kernels([SimpleNamespace(**{**vars(site), "density": 0.4})]) if s.family is Family.CSR_SM90]
     assert {s.tile[2] for s in denser} == {2048, 4096}
     assert plan_kernels([SimpleNamespace(**{**vars(site), "dtype": "float32"})]) == []
 

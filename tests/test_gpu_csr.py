@@ -35,6 +35,16 @@ def weight(n, k, density, dtype, seed=0, empty_rows=(3,)):
     return dense.to(dtype).cuda()
 
 
+def with_nonfinite(x):
+    """``x`` (at least 8 rows, 512 columns) with NaN at (3, 5) and (m - 1, 511), +Inf at (7, 100)
+    and -Inf at (7, 200)."""
+    x[3, 5] = float("nan")
+    x[7, 100] = float("inf")
+    x[7, 200] = float("-inf")
+    x[x.shape[0] - 1, 511] = float("nan")
+    return x
+
+
 def launch_poisoned(spec, packed, x, bias, activation):
     """``spec``'s kernel called directly (its own workspace) on a NaN-filled y."""
     kernel = runtime.ensure([spec], progress=False)[spec]
@@ -138,11 +148,7 @@ def test_nan_and_inf_propagate_like_dense(dtype):
     gen = torch.Generator().manual_seed(10)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
     for m in (8, 200):
-        x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
-        x[3, 5] = float("nan")
-        x[7, 100] = float("inf")
-        x[7, 200] = float("-inf")
-        x[m - 1, 511] = float("nan")
+        x = with_nonfinite(torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda())
         got = run(packed, x, bias, "relu")
         assert_same_nonfinite(got, ieee_reference(x, w, bias, "relu").to(dtype), dtype)
 
@@ -159,7 +165,7 @@ def test_graph_replay_matches_eager(dtype):
 
 
 def test_compile_runs_unstructured_sites_on_the_kernel():
-    """sparsecc.compile with formats=('csr',) packs a 90%-sparse MLP for the CSR kernel (the plan
+    """sparsecc.compile with formats=('csr',) packs a 90%-sparse MLP for the CSR kernels (the plan
     says so, with the packed size) and matches the eager model."""
     torch.manual_seed(12)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 256)).half().cuda().eval()
@@ -171,7 +177,9 @@ def test_compile_runs_unstructured_sites_on_the_kernel():
     compiled = sparsecc.compile(model, (x,), formats=("csr",))
     plan = compiled.sparsecc_plan
     assert all(site.choice == "csr" and "CSR kernel" in site.reason for site in plan), plan.table()
-    assert all(site.bytes_after < 0.25 * site.bytes_before for site in plan), plan.table()
+    # the tiled layout stores 4 bytes per entry, the CUDA-core one 6; a weight packed split stores its 2:4 part
+    assert all(site.bytes_after < 0.35 * site.bytes_before or "packed for split" in site.reason
+               for site in plan), plan.table()
     with torch.no_grad():
         assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float16]
     assert any(name.startswith("sparsecc_csr_sm90") for name in runtime.loaded())

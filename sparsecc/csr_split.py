@@ -1,0 +1,210 @@
+"""Unstructured sparse weights on the 2:4 kernels plus a residual pass: a split CSR weight.
+
+A weight of density d keeps at most two non-zeros in almost every group of four along K:
+with its non-zeros spread at random, a group holds three or four with probability about
+4 d^3, which at d = 0.05 is one group in 2000. Such a weight is therefore split exactly as
+
+    W = W24 + R,
+
+``W24`` keeping the first two non-zeros (by position) of every group of four, ``R`` the
+rest (at d = 0.05 about 0.01% of W's elements, at d = 0.1 0.1%, at d = 0.3 2.3%). ``W24``
+runs on sparsecc's 2:4 kernels (sparse tensor cores: the CUTLASS GEMMs, or the small-batch
+kernels, as a 2:4 site planned for the same batch), which add the bias; a second kernel
+(templates/residual_sm90.cu.j2) adds ``x R^T`` to y in place and applies the activation.
+Where R is empty the 2:4 kernel alone runs the site, epilogue included.
+
+Both parts are exact, so the split is lossless: y differs from the unsplit product by the
+rounding of y to the weight's dtype between the two kernels (fp32 sums in both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import runtime
+from .codegen import Family, KernelSpec
+from .epilogue import ACTIVATION_CODES, Activation
+from .errors import InputError
+from .formats import CSR, INDEX_DTYPE, PackedWeight, group_along_k
+from .gpu import KERNEL_DTYPES, KernelWeight, linear_kernel, pack_24_for, shape_supported as kernels_take
+from .ops import _output_shape
+
+#: the residual pass's modes (its launch ``splits``): the kernel picks by the rows of x (gather
+#: below 256, staged from 256 where K fits), or gather x from global memory per entry, or stage
+#: the CTA's rows of x in shared memory first (templates/residual_sm90.cu.j2)
+BY_ROWS, GATHER, STAGED = 0, 1, 2
+#: a weight whose residual has fewer entries per output feature than this always gathers: measured
+#: on an H100 at M = 2048 (benchmarks/lab/csr_split_modes-*, 2026-11-25), on 11008x4096 staging x
+#: cost more than it saved at density 0.01 (0.003 entries per output: 288.5 against 268.7 us) and
+#: paid at 0.05 (0.5 per output: 304.7 against 332.5 us); at M = 16 and 64 gathering won everywhere
+STAGED_MIN_ENTRIES = 0.25
+
+
+def residual_mode(entries: int, out_features: int) -> int:
+    """The residual pass's mode for R's ``entries``: :data:`BY_ROWS` from
+    :data:`STAGED_MIN_ENTRIES` per output feature, else :data:`GATHER`."""
+    return BY_ROWS if entries >= STAGED_MIN_ENTRIES * out_features else GATHER
+
+
+def split_24(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``(W24, R)`` with ``W24 + R == weight`` exactly: ``W24`` keeps the first two non-zeros of
+    every group of four along K (it fits 2:4), ``R`` the others."""
+    n, k = weight.shape
+    groups = group_along_k(weight.detach(), 4)
+    nonzero = groups != 0
+    keep = nonzero & (nonzero.cumsum(-1) <= 2)
+    main = torch.where(keep, groups, torch.zeros((), dtype=weight.dtype, device=weight.device))
+    rest = torch.where(keep, torch.zeros((), dtype=weight.dtype, device=weight.device), groups)
+    return main.reshape(n, -1)[:, :k], rest.reshape(n, -1)[:, :k]
+
+
+def residual_spec(dtype: torch.dtype) -> KernelSpec:
+    """The residual pass's kernel for a dtype."""
+    return KernelSpec(Family.RESIDUAL_SM90, str(dtype).replace("torch.", ""))
+
+
+def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """Why a weight of this shape and dtype cannot be split onto the 2:4 kernels, or None."""
+    if dtype not in KERNEL_DTYPES:
+        return f"the split CSR kernels take float16/bfloat16, not {str(dtype).replace('torch.', '')}"
+    return kernels_take(out_features, in_features, dtype)
+
+
+@dataclass
+class CsrSplitWeight(PackedWeight):
+    """An unstructured weight split for the 2:4 kernels (see the module docstring): ``main``,
+    the W24 part in a 2:4 kernel layout, and R in CSR: ``residual_values`` [nnz] and
+    ``residual_index`` int32 (crow [N + 1], then col [nnz]). ``residual`` names the pass's
+    kernel and mode (``symbol:mode``, :func:`residual_mode`), empty where R is."""
+
+    main: KernelWeight
+    residual_values: Tensor
+    residual_index: Tensor
+    residual: str = ""
+    selection: str = ""       # why compile packed the weight split (kernel_packing.pack_unstructured)
+
+    spec = CSR
+    op = None   # sparsecc::linear_split, set once the op exists (below)
+
+    @property
+    def out_features(self) -> int:
+        return self.main.out_features
+
+    @property
+    def in_features(self) -> int:
+        return self.main.in_features
+
+    @property
+    def shape(self):  # type: ignore[override]
+        return (self.out_features, self.in_features)
+
+    @property
+    def residual_entries(self) -> int:
+        return self.residual_values.numel()
+
+    @property
+    def extra_args(self) -> tuple:
+        return (self.main.kernels, self.residual)
+
+    def tensors(self):
+        return {"values": self.main.values, "metadata": self.main.metadata,
+                "residual_values": self.residual_values, "residual_index": self.residual_index}
+
+    def scalars(self):
+        return {"out_features": self.out_features, "in_features": self.in_features}
+
+    @classmethod
+    def pack(cls, weight: Tensor, pack_main) -> "CsrSplitWeight":
+        """The layout alone (any device): W24 packed by ``pack_main`` (a 2:4 layout's packing),
+        R in CSR (entries by output, inputs ascending); no residual kernel named yet."""
+        main, rest = split_24(weight)
+        n = weight.shape[0]
+        present = rest != 0
+        crow = torch.zeros(n + 1, dtype=INDEX_DTYPE, device=weight.device)
+        crow[1:] = present.sum(1).cumsum(0)
+        row, col = present.nonzero(as_tuple=True)
+        index = torch.cat([crow, col.to(INDEX_DTYPE)]).contiguous()
+        return cls(pack_main(main), rest[row, col].contiguous(), index)
+
+    @classmethod
+    def from_dense(cls, weight: Tensor, m: int | None, *, progress: bool = False) -> "CsrSplitWeight":
+        """Split a [N, K] CUDA weight, pack W24 for the 2:4 kernels that take ``m`` rows
+        (:func:`sparsecc.gpu.pack_24_for`) and R for the residual pass, and load the kernels."""
+        if weight.device.type != "cuda":
+            raise InputError("sparsecc's kernels run on the GPU: move the weight to CUDA first")
+        reason = shape_supported(*weight.shape, weight.dtype)
+        if reason:
+            raise InputError(reason)
+        packed = cls.pack(weight, lambda main: pack_24_for(main, m, progress=progress))
+        if packed.residual_entries:
+            spec = residual_spec(weight.dtype)
+            runtime.ensure([spec], progress=progress)
+            packed.residual = f"{spec.symbol}:{residual_mode(packed.residual_entries, weight.shape[0])}"
+        return packed
+
+    def to_dense(self) -> Tensor:
+        """Unpack exactly: W24 from its layout plus R (the two never share an element)."""
+        n, k = self.shape
+        crow = self.residual_index[: n + 1].long()
+        col = self.residual_index[n + 1:].long()
+        row = torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
+        dense = self.main.to_dense().clone()
+        dense[row, col] = self.residual_values
+        return dense
+
+
+_LIB = torch.library.Library("sparsecc", "FRAGMENT")
+_LIB.define("linear_split(Tensor x, Tensor values, Tensor metadata, Tensor residual_values, Tensor residual_index, "
+            "int out_features, int in_features, Tensor? bias, str activation, bool x_transposed, "
+            "bool transpose_out, str kernels, str residual) -> Tensor")
+
+#: ``sparsecc::linear_split``: a split CSR site (:class:`CsrSplitWeight`'s tensors, scalars and extra_args)
+linear_split = torch.ops.sparsecc.linear_split.default
+
+
+def _linear_split_cuda(x: Tensor, values: Tensor, metadata: Tensor, residual_values: Tensor,
+                       residual_index: Tensor, out_features: int, in_features: int, bias: Optional[Tensor],
+                       activation: str, x_transposed: bool, transpose_out: bool, kernels: str,
+                       residual: str) -> Tensor:
+    """The 2:4 kernel (bias, and the activation where R is empty), then the residual pass on y."""
+    if not residual:
+        return linear_kernel(x, values, metadata, out_features, in_features, bias, activation, x_transposed,
+                             transpose_out, kernels)
+    code = ACTIVATION_CODES.get(activation)
+    if code is None:
+        Activation.parse(activation)            # raises the clear error
+    y = linear_kernel(x, values, metadata, out_features, in_features, bias, "none", x_transposed, False, kernels)
+    one_dim = x.dim() == 1
+    rows = (x.transpose(-1, -2) if x_transposed and not one_dim else x).reshape(-1, in_features)
+    if not rows.is_contiguous() or rows.data_ptr() % 16:
+        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
+    flat = y.view(-1, out_features)
+    if flat.shape[0]:
+        symbol, mode = residual.rsplit(":", 1)
+        runtime.get(symbol).gemm(residual_values.data_ptr(), residual_index.data_ptr(), rows.data_ptr(), 0,
+                                 flat.data_ptr(), out_features, flat.shape[0], in_features, code,
+                                 torch.cuda.current_stream().cuda_stream, splits=int(mode))
+    if transpose_out and not one_dim:
+        y = y.transpose(-1, -2).contiguous()
+    return y
+
+
+def _linear_split_elsewhere(x, *args):
+    raise InputError("sparsecc::linear_split runs generated CUDA kernels: this module was compiled for a CUDA GPU "
+                     f"and cannot run on {x.device.type}; compile it again for this device")
+
+
+_LIB.impl("linear_split", _linear_split_cuda, "CUDA")
+_LIB.impl("linear_split", _linear_split_elsewhere, "CPU")
+
+
+@torch.library.register_fake("sparsecc::linear_split")
+def _(x, values, metadata, residual_values, residual_index, out_features, in_features, bias, activation,
+      x_transposed, transpose_out, kernels, residual):
+    return x.new_empty(_output_shape(x, x_transposed, out_features, transpose_out))
+
+
+CsrSplitWeight.op = linear_split

@@ -58,7 +58,7 @@ def pack_unstructured(weight: torch.Tensor, m: int | None, *, progress: bool = F
     ``selection`` says what was timed."""
     from .timing import packed_runner, time_all_us
     shape, dtype = tuple(weight.shape), weight.dtype
-    density = float((weight != 0).float().mean()) if weight.numel() else 0.0
+    density = int(torch.count_nonzero(weight)) / max(weight.numel(), 1)
     candidates = {}
     if csr_kernel.shape_supported(*shape, dtype) is None:
         candidates["the tiled CSR kernel"] = lambda: CsrKernelWeight.from_dense(weight, progress=progress)

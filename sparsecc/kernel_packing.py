@@ -52,10 +52,10 @@ def pack_unstructured(weight: torch.Tensor, m: int | None, *, progress: bool = F
       :data:`SPMM_MAX_DENSITY`).
 
     Measured on an H100 (benchmarks/results/kernels_csr-*, 2026-11-25), each wins somewhere:
-    the split at M = 2048 up to density 0.1 (3-8x faster than the tiled kernel), the tiled kernel
-    at M = 16 and 64 from density 0.05 up, the CUDA-core kernel at density 0.01 and small
-    batches; in between it depends on the shape, hence the timing. The returned weight's
-    ``selection`` says what was timed."""
+    the split at M = 2048 up to density 0.1 (3-8x faster than the tiled kernel) and at M = 64
+    on the large shapes, the tiled kernel at M = 16 from density 0.05 up and everywhere at 0.3,
+    the CUDA-core kernel at density 0.01 up to M = 64; in between it depends on the shape,
+    hence the timing. The returned weight's ``selection`` says what was timed."""
     from .timing import packed_runner, time_all_us
     shape, dtype = tuple(weight.shape), weight.dtype
     density = int(torch.count_nonzero(weight)) / max(weight.numel(), 1)

@@ -28,7 +28,7 @@ from . import runtime
 from .codegen import Family, KernelSpec
 from .epilogue import ACTIVATION_CODES, Activation
 from .errors import InputError
-from .formats import CSR, INDEX_DTYPE, PackedWeight, group_along_k
+from .formats import CSR, CSRWeight, PackedWeight, group_along_k
 from .gpu import KERNEL_DTYPES, KernelWeight, linear_kernel, pack_24_for, shape_supported as kernels_take
 from .ops import _output_shape
 
@@ -121,13 +121,8 @@ class CsrSplitWeight(PackedWeight):
         """The layout alone (any device): W24 packed by ``pack_main`` (a 2:4 layout's packing),
         R in CSR (entries by output, inputs ascending); no residual kernel named yet."""
         main, rest = split_24(weight)
-        n = weight.shape[0]
-        present = rest != 0
-        crow = torch.zeros(n + 1, dtype=INDEX_DTYPE, device=weight.device)
-        crow[1:] = present.sum(1).cumsum(0)
-        row, col = present.nonzero(as_tuple=True)
-        index = torch.cat([crow, col.to(INDEX_DTYPE)]).contiguous()
-        return cls(pack_main(main), rest[row, col].contiguous(), index)
+        residual = CSRWeight.from_dense(rest)                        # by row, columns ascending
+        return cls(pack_main(main), residual.values, torch.cat([residual.crow, residual.col]).contiguous())
 
     @classmethod
     def from_dense(cls, weight: Tensor, m: int | None, *, progress: bool = False) -> "CsrSplitWeight":
@@ -148,12 +143,8 @@ class CsrSplitWeight(PackedWeight):
     def to_dense(self) -> Tensor:
         """Unpack exactly: W24 from its layout plus R (the two never share an element)."""
         n, k = self.shape
-        crow = self.residual_index[: n + 1].long()
-        col = self.residual_index[n + 1:].long()
-        row = torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
-        dense = self.main.to_dense().clone()
-        dense[row, col] = self.residual_values
-        return dense
+        rest = CSRWeight(self.residual_index[: n + 1], self.residual_index[n + 1:], self.residual_values, n, k)
+        return self.main.to_dense() + rest.to_dense()
 
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")

@@ -19,7 +19,7 @@ import torch
 from . import runtime
 from .codegen import TILES, Family, KernelSpec
 from .errors import InputError
-from .formats import CSR, INDEX_DTYPE
+from .formats import CSR, CSRWeight
 from .gpu import KERNEL_DTYPES, KernelWeight, Launch, dispatch_string
 
 #: the largest K the kernel stages (8 rows of x in shared memory)
@@ -54,14 +54,9 @@ class CsrSpmmWeight(KernelWeight):
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> "CsrSpmmWeight":
-        """The layout alone (any device, any dtype)."""
-        n, k = weight.shape
-        present = weight.detach() != 0
-        crow = torch.zeros(n + 1, dtype=INDEX_DTYPE, device=weight.device)
-        crow[1:] = present.sum(1).cumsum(0)
-        row, col = present.nonzero(as_tuple=True)                  # by row, columns ascending
-        metadata = torch.cat([crow, col.to(INDEX_DTYPE)]).contiguous()
-        return cls(weight.detach()[row, col].contiguous(), metadata, n, k)
+        """The layout alone (any device, any dtype): sparsecc.formats' CSR, crow and col in one array."""
+        csr = CSRWeight.from_dense(weight)
+        return cls(csr.values, torch.cat([csr.crow, csr.col]).contiguous(), *csr.shape)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CsrSpmmWeight":
@@ -80,8 +75,4 @@ class CsrSpmmWeight(KernelWeight):
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly."""
         n, k = self.shape
-        crow = self.metadata[: n + 1].long()
-        row = torch.repeat_interleave(torch.arange(n, device=crow.device), crow[1:] - crow[:-1])
-        dense = self.values.new_zeros(n, k)
-        dense[row, self.metadata[n + 1:].long()] = self.values
-        return dense
+        return CSRWeight(self.metadata[: n + 1], self.metadata[n + 1:], self.values, n, k).to_dense()

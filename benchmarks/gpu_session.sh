@@ -2,7 +2,8 @@
 # One session on a GPU machine with no network: install the carried CUTLASS wheel and
 # sparsecc, build the kernels (the carried cache .kcache/ is reused when the compiler
 # matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
-# KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=none nothing.
+# KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=csr-split what the
+# split CSR tests and kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
 # (e2e.py, decode.py, kernels.py and cost_model.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS /
 # COST_ARGS are set, possibly empty; HOST=0 skips host_overhead.py)
@@ -32,7 +33,8 @@ sys.path.insert(0, "benchmarks")
 import os
 import kernel_set
 from sparsecc import build
-specs = kernel_set.small_batch_session_specs() if os.environ.get("KERNELS") == "small-batch" else kernel_set.session_specs()
+specs = {"small-batch": kernel_set.small_batch_session_specs,
+         "csr-split": kernel_set.csr_split_session_specs}.get(os.environ.get("KERNELS"), kernel_set.session_specs)()
 start = time.time()
 build.build(specs, progress=False)
 print(f"kernels: {len(specs)}, built {build.LAST_BUILD.built}, from cache {build.LAST_BUILD.cached}, {time.time()-start:.1f} s")
@@ -47,8 +49,10 @@ import os
 import kernel_set
 from sparsecc import runtime
 imported = time.time()
-kernels = runtime.ensure(kernel_set.small_batch_session_specs() if os.environ.get("KERNELS") == "small-batch"
-                         else kernel_set.session_specs(), progress=False)
+kernels = runtime.ensure({"small-batch": kernel_set.small_batch_session_specs,
+                          "csr-split": kernel_set.csr_split_session_specs}.get(os.environ.get("KERNELS"),
+                                                                              kernel_set.session_specs)(),
+                         progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
 # with PROBE=1: one kernel compiled from scratch into an empty cache, timed (in the background)

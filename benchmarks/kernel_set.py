@@ -58,9 +58,8 @@ def small_batch_session_specs() -> list[KernelSpec]:
 
 def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16",)) -> list[KernelSpec]:
     """What a session on split unstructured weights needs, for one parallel build: the kernels
-    tests/test_gpu_csr_split.py declares, and for ``shapes`` (kernels_csr.py --residual-modes)
-    the compressors, the residual pass and the 2:4 GEMMs of the dispatch, with and without a
-    source."""
+    tests/test_gpu_csr_split.py declares, and for ``shapes`` (kernels_csr.py --no-tiled) the
+    compressors, the residual pass and the 2:4 GEMMs of the dispatch."""
     import importlib
     import os
     from sparsecc.csr_split import residual_spec
@@ -70,8 +69,7 @@ def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16",)) -> list[Kern
         dtype = getattr(torch, name)
         specs += [KernelSpec(Family.SM90_COMPRESS24, name), residual_spec(dtype)]
         for n, k in shapes:
-            gemms = [launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, dtype, n, k)]
-            specs += gemms + [spec.with_(source=True) for spec in gemms]
+            specs += [launch.spec for _, launch in gpu.dispatch(Family.SM90_SPARSE24, dtype, n, k)]
     return list(dict.fromkeys(specs))
 
 

@@ -7,10 +7,8 @@
 - ``sparsecc-csr``: sparsecc's tiled CSR kernel, epilogue and transpose fused (its M dispatch table),
 - ``sparsecc-csr-split``: the weight split into a 2:4 part on sparsecc's 2:4 kernels and a
   residual pass (sparsecc.csr_split), packed for each M as compile packs a site planned for it;
-  with ``--residual-modes`` also each mode of the residual pass forced: after the 2:4 kernel
-  (``sparsecc-csr-split-gather``, ``-staged``, ``-transposed``; at large batches on the 2:4 GEMMs
-  without a source) and, where the split's 2:4 part runs on GEMMs with a source, before it
-  (``sparsecc-csr-split-write``, ``-write-transposed``),
+  with ``--residual-modes`` also each mode of the residual pass forced
+  (``sparsecc-csr-split-gather``, ``-staged``, ``-transposed``),
 - ``sparsecc-csr-spmm``: sparsecc's CUDA-core CSR kernel (sparsecc.csr_spmm), up to density 0.1.
 
 Weights keep each element with probability ``density`` (random values). Every call of an
@@ -39,18 +37,13 @@ from kernels_bsr import geomean  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
 from sparsecc.csr_kernel import CsrKernelWeight  # noqa: E402
-from sparsecc.csr_split import (GATHER, STAGED, TRANSPOSED, WRITE, WRITE_TRANSPOSED, CsrSplitWeight,  # noqa: E402
-                                linear_split, split_24)
+from sparsecc.csr_split import GATHER, STAGED, TRANSPOSED, CsrSplitWeight, linear_split  # noqa: E402
 from sparsecc.csr_spmm import CsrSpmmWeight  # noqa: E402
 from sparsecc.kernel_packing import SPMM_MAX_DENSITY  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [16, 64, 2048, 8192]
 DENSITIES = [0.3, 0.1, 0.05, 0.01]
-#: the residual pass's modes ``--residual-modes`` forces: after 2:4 GEMMs without a source, and
-#: before those with one (where the split's own packing has them: large batches)
-AFTER_MODES = {"gather": GATHER, "staged": STAGED, "transposed": TRANSPOSED}
-BEFORE_MODES = {"write": WRITE, "write-transposed": WRITE_TRANSPOSED}
 MAX_COPIES = 16          # weight copies per call cycle (sparsecc.timing.ROTATE_BYTES together)
 
 
@@ -108,22 +101,14 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
         impls["sparsecc-csr-spmm"] = (lambda v, e: gpu.linear_kernel(x, v, e, n, k, bias, "relu", False, False,
                                                                      spmm.kernels), (spmm.values, spmm.metadata))
     residuals = {"sparsecc-csr-split": split.residual}
-    mains = {"sparsecc-csr-split": split.main}
     if residual_modes and split.residual:
         symbol = split.residual.rsplit(":", 1)[0]
-        source = getattr(split.main, "source", False)
-        after = gpu.pack_24_for(split_24(w)[0], m) if source else split.main     # GEMMs without a source
-        for mode_name, mode in AFTER_MODES.items():
-            residuals[f"sparsecc-csr-split-{mode_name}"] = f"{symbol}:{mode}"
-            mains[f"sparsecc-csr-split-{mode_name}"] = after
-        for mode_name, mode in (BEFORE_MODES.items() if source else ()):
-            residuals[f"sparsecc-csr-split-{mode_name}"] = f"{symbol}:{mode}"
-            mains[f"sparsecc-csr-split-{mode_name}"] = split.main
+        residuals.update({f"sparsecc-csr-split-{name}": f"{symbol}:{mode}"
+                          for name, mode in (("gather", GATHER), ("staged", STAGED), ("transposed", TRANSPOSED))})
     for impl, residual in residuals.items():
-        main = mains[impl]
-        impls[impl] = ((lambda v, e, rv, ri, residual=residual, kernels=main.kernels:
-                        linear_split(x, v, e, rv, ri, n, k, bias, "relu", False, False, kernels, residual)),
-                       (main.values, main.metadata, split.residual_values, split.residual_index))
+        impls[impl] = ((lambda v, e, rv, ri, residual=residual:
+                        linear_split(x, v, e, rv, ri, n, k, bias, "relu", False, False, split.main.kernels, residual)),
+                       tuple(split.tensors().values()))
     if w_csr is not None:
         impls["torch-csr-cusparse"] = (lambda s: torch.relu(torch.sparse.mm(s, x.t()).t() + bias), (w_csr,))
     base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "density": density}
@@ -137,9 +122,8 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
                           sum(t.numel() * t.element_size() for t in (w_csr.crow_indices(), w_csr.col_indices(),
                                                                      w_csr.values())))}
         if impl.startswith("sparsecc-csr-split"):
-            main = mains[impl]
             row.update(residual_entries=split.residual_entries, residual=residuals[impl].rsplit(":", 1)[-1] or None,
-                       main_kernels=type(main).__name__ + ("+source" if getattr(main, "source", False) else ""))
+                       main_kernels=type(split.main).__name__)
         try:
             fn, copies = (rotating(call, *tensors, max_copies=MAX_COPIES) if impl != "torch-csr-cusparse"
                           else ((lambda: call(w_csr)), 1))

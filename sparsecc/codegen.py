@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import jinja2
 
-from .epilogue import ACTIVATION_CODES, ADD_TO_OUTPUT, GELU_POLYNOMIAL, UNCHECKED_NONFINITE
+from .epilogue import ACTIVATION_CODES, GELU_POLYNOMIAL, UNCHECKED_NONFINITE
 from .nonfinite_guard import ALIGNMENT as GUARD_ALIGNMENT, HEADER_WORDS as GUARD_HEADER_WORDS
 from .errors import InputError
 
@@ -174,7 +174,6 @@ class KernelSpec:
     cluster: tuple[int, int] = (1, 1)
     schedule: Schedule = Schedule.COOPERATIVE
     scheduler: Scheduler = Scheduler.PERSISTENT
-    source: bool = False            # the 2:4 GEMM also reads y: y = act(x W^T + bias + y) on request
 
     def __post_init__(self):
         object.__setattr__(self, "family", Family(self.family))
@@ -199,10 +198,8 @@ class KernelSpec:
         if (self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and self.family.arch == "sm_90a"
                 and not self.family.own_launch):
             raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
-        if not all(isinstance(flag, bool) for flag in (self.x_transposed, self.transpose_out, self.source)):
-            raise InputError("x_transposed, transpose_out and source are booleans")
-        if self.source and self.family is not Family.SM90_SPARSE24:
-            raise InputError(f"only {Family.SM90_SPARSE24.value} kernels read y as a source (source=True)")
+        if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
+            raise InputError("x_transposed and transpose_out are booleans")
         if self.family is Family.SM80_DENSE and self.transpose_out:
             raise InputError("gemm_sm80_dense stores y row-major only (its bias is a broadcast source)")
         if self.family is Family.SM80_SPARSE24 and not self.transpose_out:
@@ -279,7 +276,7 @@ class KernelSpec:
         schedule = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
         scheduler = {Scheduler.STREAMK: "_sk", Scheduler.SLICED: "_ks"}.get(self.scheduler, "")
         return (f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}"
-                f"_t{tile}_c{cluster}_{schedule}{scheduler}{'_src' if self.source else ''}")
+                f"_t{tile}_c{cluster}_{schedule}{scheduler}")
 
     def describe(self) -> str:
         data = asdict(self)
@@ -309,7 +306,6 @@ def render(spec: KernelSpec) -> str:
     return _environment().get_template(spec.template).render(spec=spec, version=__version__,
                                                              activation_codes=ACTIVATION_CODES,
                                                              unchecked_nonfinite=UNCHECKED_NONFINITE,
-                                                             add_to_output=ADD_TO_OUTPUT,
                                                              gelu_polynomial=GELU_POLYNOMIAL,
                                                              guard_header_words=GUARD_HEADER_WORDS,
                                                              guard_alignment=GUARD_ALIGNMENT)

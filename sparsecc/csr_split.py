@@ -9,20 +9,12 @@ with its non-zeros spread at random, a group holds three or four with probabilit
 ``W24`` keeping the first two non-zeros (by position) of every group of four, ``R`` the
 rest (at d = 0.05 about 0.01% of W's elements, at d = 0.1 0.1%, at d = 0.3 2.3%). ``W24``
 runs on sparsecc's 2:4 kernels (sparse tensor cores: the CUTLASS GEMMs, or the small-batch
-kernels, as a 2:4 site planned for the same batch), and a second kernel
-(templates/residual_sm90.cu.j2) adds ``x R^T``, in one of two orders:
-
-- on the CUTLASS GEMMs (large batches), first: the residual kernel writes ``y = x R^T``
-  (:data:`WRITE`), and the GEMM, built to read y as its source, stores
-  ``act(x W24^T + bias + y)``: y is written once and read once, inside the GEMM's epilogue;
-- on the small-batch kernels, after: they store ``x W24^T + bias``, and the residual kernel
-  adds ``x R^T`` in place and applies the activation (:data:`GATHER` or :data:`BY_ROWS`).
-
-Either way a residual with many entries reads x from a transposed copy that the pass makes
-first (:data:`WRITE_TRANSPOSED`, :data:`TRANSPOSED`): an entry then reads its inputs for
-eight rows of x in one 32-byte sector instead of eight.
-
-Where R is empty the 2:4 kernel alone runs the site, epilogue included.
+kernels, as a 2:4 site planned for the same batch), which add the bias; a second kernel
+(templates/residual_sm90.cu.j2) adds ``x R^T`` to y in place and applies the activation.
+Where R is empty the 2:4 kernel alone runs the site, epilogue included. At large batches a
+residual with many entries reads x from a transposed copy that the pass makes first
+(:data:`TRANSPOSED`): an entry then reads its inputs for eight rows of x in one 32-byte
+sector instead of eight.
 
 Both parts are exact, so the split is lossless: y differs from the unsplit product by the
 rounding of y to the weight's dtype between the two kernels (fp32 sums in both).
@@ -40,37 +32,43 @@ from .codegen import Family, KernelSpec
 from .epilogue import ACTIVATION_CODES, Activation
 from .errors import InputError
 from .formats import CSR, CSRWeight, PackedWeight, group_along_k
-from .gpu import KERNEL_DTYPES, KernelWeight, linear_add, linear_kernel, pack_24_for, shape_supported as kernels_take
+from .gpu import KERNEL_DTYPES, KernelWeight, linear_kernel, pack_24_for, shape_supported as kernels_take
 from .ops import _output_shape
 
-#: the residual pass's modes (its launch ``splits``): after the 2:4 kernel, the kernel picks by the
-#: rows of x (gather below 256, staged from 256 where K fits), or gathers x from global memory per
-#: entry, or stages the CTA's rows of x in shared memory first, or gathers from a copy of x^T it
-#: makes first; before a GEMM with a source, it writes y = x R^T (gathering from x or from x^T),
-#: which the GEMM adds (templates/residual_sm90.cu.j2)
-BY_ROWS, GATHER, STAGED, WRITE, TRANSPOSED, WRITE_TRANSPOSED = 0, 1, 2, 3, 4, 5
-#: the modes that make a transposed copy of x (in a workspace of the kernel's ``workspace_size``)
-FROM_TRANSPOSED = (TRANSPOSED, WRITE_TRANSPOSED)
-#: a residual with at least this many entries per input feature gathers from x^T: per eight
-#: rows of x an entry then reads one 32-byte sector instead of eight (224 bytes saved), and the
-#: copy costs 32 bytes per input feature (8 rows x 2 bytes, read and written), so it pays from
-#: about 1/7 entry per input feature
-TRANSPOSED_MIN_ENTRIES = 1 / 7
+#: the residual pass's modes (its launch ``splits``): the kernel picks by the rows of x (gather
+#: below 256, staged from 256 where K fits), or gather x from global memory per entry, or stage
+#: the CTA's rows of x in shared memory first, or gather from a transposed copy of x it makes
+#: first in its workspace (templates/residual_sm90.cu.j2)
+BY_ROWS, GATHER, STAGED, TRANSPOSED = 0, 1, 2, 3
 #: a weight whose residual has fewer entries per output feature than this always gathers: measured
 #: on an H100 at M = 2048 (benchmarks/lab/csr_split_modes-*, 2026-11-25), on 11008x4096 staging x
 #: cost more than it saved at density 0.01 (0.003 entries per output: 288.5 against 268.7 us) and
 #: paid at 0.05 (0.5 per output: 304.7 against 332.5 us); at M = 16 and 64 gathering won everywhere
 STAGED_MIN_ENTRIES = 0.25
+#: at batches of at least TRANSPOSED_MIN_ROWS rows, a residual with at least
+#: TRANSPOSED_MIN_ENTRIES entries per input feature and fewer than TRANSPOSED_MAX_ENTRIES per
+#: output feature gathers from x^T. Measured on an H200 at M = 2048 (benchmarks/lab/
+#: csr_residual_modes-*, 2026-11-26, every mode forced): from 0.5 to 10 entries per input the copy
+#: of x paid for itself (d = 0.05: 238.6 against 245.0 us staged on 4096x11008, 287.4 against 296.1
+#: on 11008x4096; d = 0.1: 2-6% ahead of staging), at 0.003-0.011 per input (d = 0.01) it cost 8 to
+#: 30 us more than gathering (the copy of x: about 8 us at K = 4096, 30 at K = 11008, against
+#: about 7 ns saved per entry), which puts the crossover near 0.3; at 94-250 per output (d = 0.3)
+#: its one thread per output feature ran 2x slower than staging. At M = 64 it lost to gathering
+#: at every density up to 0.1 (the copy's launch outweighs the sectors saved).
+TRANSPOSED_MIN_ENTRIES = 0.35
+TRANSPOSED_MAX_ENTRIES = 16
+TRANSPOSED_MIN_ROWS = 256
 
 
-def residual_mode(entries: int, out_features: int, in_features: int, main: KernelWeight) -> int:
-    """The residual pass's mode for R's ``entries`` beside the 2:4 part ``main``: where main's
-    GEMMs add y (a source), :data:`WRITE`, or :data:`WRITE_TRANSPOSED` from
-    :data:`TRANSPOSED_MIN_ENTRIES` per input feature (K % 8 == 0); else :data:`BY_ROWS` from
-    :data:`STAGED_MIN_ENTRIES` per output feature, else :data:`GATHER`."""
-    many = entries >= TRANSPOSED_MIN_ENTRIES * in_features and in_features % 8 == 0
-    if getattr(main, "source", False):
-        return WRITE_TRANSPOSED if many else WRITE
+def residual_mode(entries: int, out_features: int, in_features: int, m: int | None) -> int:
+    """The residual pass's mode for R's ``entries`` at a batch of ``m`` rows (None: unknown,
+    taken as large): :data:`TRANSPOSED` at :data:`TRANSPOSED_MIN_ROWS` rows and more, from
+    :data:`TRANSPOSED_MIN_ENTRIES` per input feature below :data:`TRANSPOSED_MAX_ENTRIES` per
+    output feature (K % 8 == 0), else :data:`BY_ROWS` from :data:`STAGED_MIN_ENTRIES` per output
+    feature, else :data:`GATHER`."""
+    if ((m is None or m >= TRANSPOSED_MIN_ROWS) and in_features % 8 == 0
+            and TRANSPOSED_MIN_ENTRIES * in_features <= entries < TRANSPOSED_MAX_ENTRIES * out_features):
+        return TRANSPOSED
     return BY_ROWS if entries >= STAGED_MIN_ENTRIES * out_features else GATHER
 
 
@@ -143,13 +141,11 @@ class CsrSplitWeight(PackedWeight):
 
     @classmethod
     def pack(cls, weight: Tensor, pack_main) -> "CsrSplitWeight":
-        """The layout alone (any device): W24 packed by ``pack_main(W24, R is not empty)`` (a 2:4
-        layout's packing), R in CSR (entries by output, inputs ascending); no residual kernel
-        named yet."""
+        """The layout alone (any device): W24 packed by ``pack_main`` (a 2:4 layout's packing),
+        R in CSR (entries by output, inputs ascending); no residual kernel named yet."""
         main, rest = split_24(weight)
         residual = CSRWeight.from_dense(rest)                        # by row, columns ascending
-        return cls(pack_main(main, residual.values.numel() > 0), residual.values,
-                   torch.cat([residual.crow, residual.col]).contiguous())
+        return cls(pack_main(main), residual.values, torch.cat([residual.crow, residual.col]).contiguous())
 
     @classmethod
     def from_dense(cls, weight: Tensor, m: int | None, *, progress: bool = False) -> "CsrSplitWeight":
@@ -160,12 +156,11 @@ class CsrSplitWeight(PackedWeight):
         reason = shape_supported(*weight.shape, weight.dtype)
         if reason:
             raise InputError(reason)
-        packed = cls.pack(weight, lambda main, residual: pack_24_for(main, m, source=residual, progress=progress))
+        packed = cls.pack(weight, lambda main: pack_24_for(main, m, progress=progress))
         if packed.residual_entries:
             spec = residual_spec(weight.dtype)
             runtime.ensure([spec], progress=progress)
-            mode = residual_mode(packed.residual_entries, *weight.shape, packed.main)
-            packed.residual = f"{spec.symbol}:{mode}"
+            packed.residual = f"{spec.symbol}:{residual_mode(packed.residual_entries, *weight.shape, m)}"
         return packed
 
     def to_dense(self) -> Tensor:
@@ -188,42 +183,27 @@ def _linear_split_cuda(x: Tensor, values: Tensor, metadata: Tensor, residual_val
                        residual_index: Tensor, out_features: int, in_features: int, bias: Optional[Tensor],
                        activation: str, x_transposed: bool, transpose_out: bool, kernels: str,
                        residual: str) -> Tensor:
-    """The 2:4 kernel (bias, and the activation where R is empty) and the residual pass: before
-    a GEMM that adds y (modes :data:`WRITE`, :data:`WRITE_TRANSPOSED`), else after, on y in place."""
+    """The 2:4 kernel (bias, and the activation where R is empty), then the residual pass on y."""
     if not residual:
         return linear_kernel(x, values, metadata, out_features, in_features, bias, activation, x_transposed,
                              transpose_out, kernels)
     code = ACTIVATION_CODES.get(activation)
     if code is None:
         Activation.parse(activation)            # raises the clear error
-    symbol, mode = residual.rsplit(":", 1)
+    y = linear_kernel(x, values, metadata, out_features, in_features, bias, "none", x_transposed, False, kernels)
     one_dim = x.dim() == 1
     rows = (x.transpose(-1, -2) if x_transposed and not one_dim else x).reshape(-1, in_features)
     if not rows.is_contiguous() or rows.data_ptr() % 16:
         rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
-    m, stream = rows.shape[0], torch.cuda.current_stream().cuda_stream
-
-    def residual_pass(y: Tensor, pass_mode: int, pass_code: int) -> None:
-        kernel = runtime.get(symbol)
-        size = kernel.workspace_size(out_features, m, in_features, 1, pass_mode)
-        workspace = torch.empty(size, dtype=torch.uint8, device=y.device) if size else None   # x^T
-        kernel.gemm(residual_values.data_ptr(), residual_index.data_ptr(), rows.data_ptr(), 0, y.data_ptr(),
-                    out_features, m, in_features, pass_code, stream, splits=pass_mode,
+    flat = y.view(-1, out_features)
+    if flat.shape[0]:
+        symbol, mode = residual.rsplit(":", 1)
+        kernel, m = runtime.get(symbol), flat.shape[0]
+        size = kernel.workspace_size(out_features, m, in_features, 1, int(mode))
+        workspace = torch.empty(size, dtype=torch.uint8, device=y.device) if size else None   # x^T (TRANSPOSED)
+        kernel.gemm(residual_values.data_ptr(), residual_index.data_ptr(), rows.data_ptr(), 0, flat.data_ptr(),
+                    out_features, m, in_features, code, torch.cuda.current_stream().cuda_stream, splits=int(mode),
                     workspace=workspace.data_ptr() if workspace is not None else 0)
-
-    if int(mode) in (WRITE, WRITE_TRANSPOSED):
-        if rows.dtype != values.dtype or rows.device != values.device:
-            raise InputError(f"sparsecc linear: input of {rows.dtype} on {rows.device}, the weight of {values.dtype} "
-                             f"on {values.device}")
-        y = torch.empty(m, out_features, dtype=rows.dtype, device=rows.device)
-        if m:
-            residual_pass(y, int(mode), ACTIVATION_CODES["none"])         # y = x R^T
-        linear_add(rows, values, metadata, bias, activation, kernels, y)  # y = act(x W24^T + bias + y)
-        y = y.view(*_output_shape(x, x_transposed, out_features, False))
-    else:
-        y = linear_kernel(x, values, metadata, out_features, in_features, bias, "none", x_transposed, False, kernels)
-        if m:
-            residual_pass(y, int(mode), code)
     if transpose_out and not one_dim:
         y = y.transpose(-1, -2).contiguous()
     return y

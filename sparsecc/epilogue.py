@@ -36,9 +36,6 @@ ACTIVATION_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 #: added to the activation code of a 2:4 GEMM call: skip the pass that makes NaN and Inf of
 #: x propagate as in dense (SPARSECC_NONFINITE=unchecked; see sparsecc.config)
 UNCHECKED_NONFINITE = 0x100
-#: added to the activation code of a call of a 2:4 GEMM built with ``source=True``: add y's
-#: values before the activation, ``y = act(x W^T + bias + y)`` (sparsecc.csr_split's residual)
-ADD_TO_OUTPUT = 0x200
 
 
 @dataclass(frozen=True)

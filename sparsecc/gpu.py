@@ -18,7 +18,7 @@ from . import nonfinite_guard, runtime
 from .build import toolchain
 from .codegen import TILES, Family, KernelSpec, Schedule, Scheduler
 from .config import settings
-from .epilogue import ACTIVATION_CODES, ADD_TO_OUTPUT, UNCHECKED_NONFINITE, Activation
+from .epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE, Activation
 from .errors import InputError, KernelBuildError, SparseccError
 from .formats import NM_2_4, FormatSpec, PackedWeight
 
@@ -183,9 +183,8 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     the 2:4 family's default kernel per dtype. What ``sparsecc generate`` builds ahead of time.
     A CSR site's kernels depend on its fullest tile, which the plan does not record: it gets
     those of every tile capacity its density may need (the expected fullest tile and above),
-    and, where they take its shape, those of a 2:4 site with the residual pass (its GEMMs with
-    and without a source) and the CUDA-core CSR kernel (compile times them all:
-    sparsecc.kernel_packing.pack_unstructured)."""
+    and, where they take its shape, those of a 2:4 site with the residual pass and the CUDA-core
+    CSR kernel (compile times them all: sparsecc.kernel_packing.pack_unstructured)."""
     from . import csr_kernel, csr_split, csr_spmm
     from .bsr_kernel import block_supported
     from .bsr_kernel import dispatch as bsr_dispatch
@@ -214,9 +213,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
             specs += [launch.spec for _, launch in dispatch(small, getattr(torch, site.dtype), *site.shape)]
         elif "sm_90a" in archs:
             specs.append(KernelSpec(Family.SM90_COMPRESS24, site.dtype))
-            gemms = [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
-            # a split weight's GEMMs add its residual (source) unless the residual is empty
-            specs += gemms + ([spec.with_(source=True) for spec in gemms] if split else [])
+            specs += [launch.spec for _, launch in dispatch(Family.SM90_SPARSE24, getattr(torch, site.dtype), *site.shape)]
         if "sm_80" in archs and choice == NM_2_4:
             specs.append(KernelSpec.default(Family.SM80_SPARSE24, site.dtype))
     return list(dict.fromkeys(specs))
@@ -480,33 +477,27 @@ class Sparse24MmaWeight(SmallBatchWeight):
 SMALL_BATCH_WEIGHTS = {cls.family: cls for cls in (Sparse24GemvWeight, Sparse24MmaWeight)}
 
 
-def pack_24_for(weight: torch.Tensor, m: int | None, *, source: bool = False, progress: bool = False):
+def pack_24_for(weight: torch.Tensor, m: int | None, *, progress: bool = False):
     """The 2:4 layout for a site that runs with ``m`` rows: a small-batch kernel's where
     :func:`small_batch_family` picks one (memory-bound: they read 9/16 of the dense bytes; CUDA
-    cores up to :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs' elsewhere (with
-    ``source``, GEMMs that can also add y's values: :class:`CutlassSparse24Weight`). Every
+    cores up to :data:`GEMV_MAX_M`, tensor cores above), the CUTLASS GEMMs' elsewhere. Every
     layout serves every batch size; each is fastest in its own range."""
     small = small_batch_family(m, weight.dtype, *weight.shape)
-    if small is not None:
-        return SMALL_BATCH_WEIGHTS[small].from_dense(weight, progress=progress)
-    return CutlassSparse24Weight.from_dense(weight, source=source, progress=progress)
+    packing = SMALL_BATCH_WEIGHTS[small] if small is not None else CutlassSparse24Weight
+    return packing.from_dense(weight, progress=progress)
 
 
 @dataclass
 class CutlassSparse24Weight(KernelWeight):
     """A 2:4 weight in the layout the sm90 GEMMs read: compressed values and metadata, as
     CUTLASS's compressor writes them, the metadata followed by the site's NaN/Inf guard
-    (:func:`sparsecc.nonfinite_guard.append_guard`). ``source``: its GEMMs were built to read y
-    as well, so that a call can add y's values before the activation (a split CSR weight's)."""
+    (:func:`sparsecc.nonfinite_guard.append_guard`)."""
 
     spec = NM_2_4
-    source: bool = False
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, *, source: bool = False,
-                   progress: bool = False) -> "CutlassSparse24Weight":
-        """Compress ``weight`` (a 2:4 [N, K] CUDA tensor) with CUTLASS's compressor kernel;
-        with ``source``, the GEMMs of its dispatch table are those that can add y's values."""
+    def from_dense(cls, weight: torch.Tensor, *, progress: bool = False) -> "CutlassSparse24Weight":
+        """Compress ``weight`` (a 2:4 [N, K] CUDA tensor) with CUTLASS's compressor kernel."""
         cls._check(weight)
         compressor = runtime.ensure([KernelSpec(Family.SM90_COMPRESS24, str(weight.dtype).replace("torch.", ""))],
                                     progress=progress)
@@ -523,55 +514,15 @@ class CutlassSparse24Weight(KernelWeight):
         # so its inputs are listed for the NaN/Inf pass; columns with a non-zero are always met.
         metadata = nonfinite_guard.append_guard(metadata, ~(dense != 0).any(dim=0))
         table = dispatch(Family.SM90_SPARSE24, weight.dtype, n, k)
-        if source:
-            table = [(bound, Launch(launch.spec.with_(source=True), launch.swizzle, launch.splits))
-                     for bound, launch in table]
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
-        return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags()), source)
+        return cls(values, metadata, n, k, dispatch_string(table, nonfinite_flags()))
 
     def to_dense(self) -> torch.Tensor:
         """Unpack exactly by running the kernel on an identity: I @ W^T = W^T (fp32 accumulation
-        of one product per output; every value is representable, so nothing rounds). GEMMs with
-        a source add the product to a zero y."""
+        of one product per output; every value is representable, so nothing rounds)."""
         eye = torch.eye(self.in_features, dtype=self.values.dtype, device=self.values.device)
-        if self.source:
-            y = torch.zeros(self.in_features, self.out_features, dtype=self.values.dtype, device=self.values.device)
-            return linear_add(eye, self.values, self.metadata, None, "none", self.kernels, y).t().contiguous()
         return linear_kernel(eye, self.values, self.metadata, self.out_features, self.in_features, None,
                              "none", False, False, self.kernels).t().contiguous()
-
-
-def linear_add(rows: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None,
-               activation: str, kernels: str, y: torch.Tensor) -> torch.Tensor:
-    """``y = act(rows W^T + bias + y)`` in place, on the 2:4 GEMM with a source that the
-    dispatch table ``kernels`` names for ``rows``' M (:class:`CutlassSparse24Weight` packed with
-    ``source=True``); rows [M, K] and y [M, N] contiguous CUDA tensors of the weight's dtype."""
-    (m, k), n = rows.shape, y.shape[-1]
-    if rows.dtype != values.dtype or y.dtype != values.dtype or rows.device != values.device:
-        raise InputError(f"sparsecc linear: input of {rows.dtype} on {rows.device} and output of {y.dtype}, the "
-                         f"weight of {values.dtype} on {values.device}")
-    if y.shape != (m, n) or not (rows.is_contiguous() and y.is_contiguous()):
-        raise InputError(f"sparsecc linear: rows {tuple(rows.shape)} and y {tuple(y.shape)}: contiguous [M, K] and [M, N]")
-    if bias is not None:
-        if bias.shape != (n,):
-            raise InputError(f"sparsecc linear: bias of shape {tuple(bias.shape)} for a weight with {n} outputs "
-                             f"(expected [{n}])")
-        bias = bias.to(rows.dtype).contiguous()
-    code = ACTIVATION_CODES.get(activation)
-    if code is None:
-        Activation.parse(activation)            # raises the clear error
-    if not m:
-        return y
-    kernel, swizzle, splits, flags = kernel_for(kernels, m)
-    if not kernel.spec.source:
-        raise InputError(f"adding to y needs 2:4 GEMMs with a source, and {kernel.spec.symbol} has none: pack the "
-                         "weight with source=True")
-    size = kernel.workspace_size(n, m, k, swizzle, splits)
-    workspace = torch.empty(size, dtype=torch.uint8, device=rows.device) if size else None
-    kernel.gemm(values.data_ptr(), metadata.data_ptr(), rows.data_ptr(), bias.data_ptr() if bias is not None else 0,
-                y.data_ptr(), n, m, k, code + flags + ADD_TO_OUTPUT, torch.cuda.current_stream().cuda_stream,
-                swizzle=swizzle, splits=splits, workspace=workspace.data_ptr() if workspace is not None else 0)
-    return y
 
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")

@@ -18,8 +18,6 @@ from sparsecc.errors import InputError
     dict(family="gemm_sm90_evil", dtype="float16"),
     dict(family=Family.SM90_DENSE, dtype="float16", x_transposed="yes"),
     dict(family=Family.SM90_SPARSE24, dtype="float16", scheduler=Scheduler.SLICED),   # dense GEMMs only
-    dict(family=Family.SM90_DENSE, dtype="float16", source=True),                    # 2:4 GEMMs only
-    dict(family=Family.SM90_SPARSE24, dtype="float16", source=1),
     dict(family=Family.SM90_DENSE, dtype="float16", scheduler="sliced", schedule=Schedule.PINGPONG, tile=(64, 128, 64),
          transpose_out="no"),
 ])
@@ -48,21 +46,6 @@ def test_render_names_spec_version_and_symbol(family):
     assert "{{" not in source and "{%" not in source
     entry = "_compress" if family is Family.SM90_COMPRESS24 else "_run"
     assert f'extern "C" int {spec.symbol}{entry}(' in source
-
-
-def test_a_24_gemm_with_a_source_reads_y_and_only_it_accepts_the_request():
-    """source=True gives CUTLASS's epilogue a C (y itself, beta 1) and such a kernel refuses a call
-    without ADD_TO_OUTPUT (CUTLASS would load C anyway); without it the kernel has no C and refuses
-    a request to add y instead of ignoring it."""
-    from sparsecc.epilogue import ADD_TO_OUTPUT
-    plain = KernelSpec(Family.SM90_SPARSE24, "float16", tile=(256, 128, 128))
-    source = plain.with_(source=True)
-    assert source.symbol == plain.symbol + "_src"
-    with_c, without = render(source), render(plain)
-    assert "using ElementC = ElementD;" in with_c and "using ElementC = void;" in without
-    assert "this kernel has no source" in without and "this kernel has no source" not in with_c
-    assert "reads y as its source" in with_c and "reads y as its source" not in without
-    assert f"activation & {ADD_TO_OUTPUT}" in with_c and "add_to_output ? 1.0f : 0.0f" in with_c
 
 
 def test_layouts_reach_the_source():

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sparsecc.codegen import Family, KernelSpec, render
-from sparsecc.csr_split import (BY_ROWS, GATHER, STAGED_MIN_ENTRIES, TRANSPOSED_MIN_ENTRIES, WRITE, WRITE_TRANSPOSED,
-                                CsrSplitWeight, linear_split, residual_mode, residual_spec, shape_supported, split_24)
+from sparsecc.csr_split import (BY_ROWS, GATHER, STAGED_MIN_ENTRIES, TRANSPOSED, TRANSPOSED_MAX_ENTRIES,
+                                TRANSPOSED_MIN_ENTRIES, TRANSPOSED_MIN_ROWS, CsrSplitWeight, linear_split,
+                                residual_mode, residual_spec, shape_supported, split_24)
 from sparsecc.errors import InputError
 from sparsecc.gpu import Sparse24MmaWeight, plan_kernels
 
@@ -51,16 +52,9 @@ def test_a_random_weight_leaves_about_four_d_cubed_of_its_groups_to_the_residual
         assert abs(int((split_24(w)[1] != 0).sum()) / expected - 1) < 0.1, density
 
 
-def pack_mma(main, residual):
-    """A 2:4 packing for CsrSplitWeight.pack that runs on the CPU (no source to add)."""
-    return Sparse24MmaWeight.pack(main)
-
-
 def test_packed_layout_round_trips_on_any_device():
     w = unstructured(64, 256, 0.2, seed=2, dtype=torch.float16)
-    told = []
-    packed = CsrSplitWeight.pack(w, lambda main, residual: told.append(residual) or pack_mma(main, residual))
-    assert told == [True]                 # the 2:4 packing learns that a residual will be added
+    packed = CsrSplitWeight.pack(w, Sparse24MmaWeight.pack)
     assert packed.residual == "" and packed.residual_entries == beyond_two_per_group(w) > 0
     assert torch.equal(packed.to_dense(), w)
     crow = packed.residual_index[:65]
@@ -68,20 +62,22 @@ def test_packed_layout_round_trips_on_any_device():
     assert list(packed.tensors()) == ["values", "metadata", "residual_values", "residual_index"]
     assert packed.nbytes == sum(t.numel() * t.element_size() for t in packed.tensors().values())
     assert packed.shape == (64, 256) and packed.spec.kind == "csr" and packed.op is linear_split
-    empty = CsrSplitWeight.pack(torch.zeros(64, 256, dtype=torch.float16), pack_mma)
+    empty = CsrSplitWeight.pack(torch.zeros(64, 256, dtype=torch.float16), Sparse24MmaWeight.pack)
     assert empty.residual_entries == 0 and torch.equal(empty.to_dense(), torch.zeros(64, 256, dtype=torch.float16))
 
 
-def test_residual_pass_writes_before_a_gemm_with_a_source_else_gathers_few_entries_and_stages_many():
-    after = SimpleNamespace()                       # a 2:4 packing whose kernels cannot add y
-    assert residual_mode(0, 4096, 1024, after) == GATHER
-    assert residual_mode(int(STAGED_MIN_ENTRIES * 4096) - 1, 4096, 1024, after) == GATHER
-    assert residual_mode(int(STAGED_MIN_ENTRIES * 4096), 4096, 1024, after) == BY_ROWS
-    before = SimpleNamespace(source=True)           # GEMMs that add y: write first, from x^T for many entries
-    many = math.ceil(TRANSPOSED_MIN_ENTRIES * 4096)
-    assert residual_mode(1, 1024, 4096, before) == residual_mode(many - 1, 1024, 4096, before) == WRITE
-    assert residual_mode(many, 1024, 4096, before) == WRITE_TRANSPOSED
-    assert residual_mode(10 * many, 1024, 4100, before) == WRITE          # K % 8 != 0: no 16-byte columns of x^T
+def test_residual_pass_gathers_few_entries_stages_many_and_copies_x_transposed_between_at_large_batches():
+    few = math.ceil(TRANSPOSED_MIN_ENTRIES * 1024)        # per input feature of a 4096 x 1024 weight
+    many = TRANSPOSED_MAX_ENTRIES * 4096                  # per output feature
+    for m in (1, 16, TRANSPOSED_MIN_ROWS - 1):           # small batches: never the copy of x
+        assert residual_mode(0, 4096, 1024, m) == GATHER
+        assert residual_mode(int(STAGED_MIN_ENTRIES * 4096) - 1, 4096, 1024, m) == GATHER
+        assert residual_mode(int(STAGED_MIN_ENTRIES * 4096), 4096, 1024, m) == BY_ROWS
+    for m in (TRANSPOSED_MIN_ROWS, 2048, None):          # large (or unknown) batches
+        assert residual_mode(few - 1, 4096, 1024, m) == GATHER
+        assert residual_mode(few, 4096, 1024, m) == residual_mode(many - 1, 4096, 1024, m) == TRANSPOSED
+        assert residual_mode(many, 4096, 1024, m) == BY_ROWS           # many per output: staged
+        assert residual_mode(10 * few, 4096, 1020, m) == BY_ROWS       # K % 8 != 0: no 16-byte columns of x^T
 
 
 def test_residual_kernel_spec_and_source():
@@ -89,7 +85,7 @@ def test_residual_kernel_spec_and_source():
     assert spec.symbol == "sparsecc_residual_sm90_bf16_r8" and spec.family.own_launch
     source = render(spec)
     assert "residual_gather<false><<<" in source and "residual_staged<<<" in source
-    assert "residual_gather<true><<<" in source and "transpose_x<<<" in source and "mode == kWrite" in source
+    assert "transpose_x<<<" in source and "residual_gather<true><<<" in source
     for bad in (dict(tile=(16, 256, 12288)), dict(x_transposed=True), dict(cluster=(2, 1))):
         with pytest.raises(InputError):
             KernelSpec(Family.RESIDUAL_SM90, "float16", **bad)
@@ -104,7 +100,7 @@ def test_shapes_and_dtypes_the_split_takes():
 
 
 def test_op_shapes_and_cpu_refusal():
-    packed = CsrSplitWeight.pack(unstructured(64, 128, 0.3, seed=3, dtype=torch.float16), pack_mma)
+    packed = CsrSplitWeight.pack(unstructured(64, 128, 0.3, seed=3, dtype=torch.float16), Sparse24MmaWeight.pack)
     args = (*packed.tensors().values(), 64, 128)
     x = torch.randn(2, 5, 128, dtype=torch.float16)
     x_t = x.transpose(-1, -2).contiguous()
@@ -122,11 +118,6 @@ def test_plan_lists_the_24_kernels_and_the_residual_pass_for_a_csr_site():
     specs = plan_kernels([site])
     families = {s.family for s in specs}
     assert {Family.RESIDUAL_SM90, Family.SM90_SPARSE24, Family.SM90_COMPRESS24, Family.CSR_SM90} <= families
-    gemms = [s for s in specs if s.family is Family.SM90_SPARSE24]     # with a source (the residual) and without
-    assert {s.with_(source=True) for s in gemms} == {s for s in gemms if s.source} != set()
-    assert {s.with_(source=False) for s in gemms} == {s for s in gemms if not s.source}
-    plain_24 = plan_kernels([SimpleNamespace(**{**vars(site), "choice": "2:4"})])
-    assert not any(s.source for s in plain_24)
     small = plan_kernels([SimpleNamespace(**{**vars(site), "m": 1})])
     assert Family.SM90_SPARSE24 not in {s.family for s in small} and residual_spec(torch.float16) in small
     odd = plan_kernels([SimpleNamespace(**{**vars(site), "shape": [1000, 4096]})])    # N % 64 != 0: split only

@@ -1,6 +1,5 @@
 """Split CSR weights on the GPU (skipped without a Hopper GPU and nvcc): the 2:4 part on the
-2:4 kernels (small-batch layout and CUTLASS GEMMs, those with a source adding the residual
-the pass wrote first) plus the residual pass in every mode,
+2:4 kernels (small-batch layout and CUTLASS GEMMs) plus the residual pass in every mode,
 against an fp64 reference on random unstructured weights with shapes that are not multiples
 of any tile, empty rows, every activation, a weight that already fits 2:4 (no residual), a
 fully empty and a fully dense one, NaN/Inf like dense, transposed operands, CUDA graphs and
@@ -12,10 +11,8 @@ import torch.nn as nn
 import sparsecc
 from sparsecc import gpu
 from sparsecc.codegen import Family, KernelSpec
-from sparsecc.csr_split import (BY_ROWS, GATHER, STAGED, TRANSPOSED, WRITE, WRITE_TRANSPOSED, CsrSplitWeight,
-                                residual_spec)
-from sparsecc.epilogue import ACTIVATION_CODES, ADD_TO_OUTPUT
-from sparsecc.runtime import KernelRunError
+from sparsecc.csr_split import BY_ROWS, GATHER, STAGED, TRANSPOSED, CsrSplitWeight, residual_spec
+from sparsecc.epilogue import ACTIVATION_CODES
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
 from test_bad_input import assert_same_nonfinite, ieee_reference
@@ -32,29 +29,14 @@ SHAPES = [(200, 528), (256, 1024), (512, 1024), (1024, 512)]
 KERNELS = list(dict.fromkeys(
     [residual_spec(dtype) for dtype in DTYPES]
     + [KernelSpec(Family.SM90_COMPRESS24, str(dtype).replace("torch.", "")) for dtype in DTYPES]
-    + [spec for dtype in DTYPES for shape in SHAPES
+    + [launch.spec for dtype in DTYPES for shape in SHAPES
        for family in (Family.SM90_SPARSE24, Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_SM90_SPARSE24)
-       for _, launch in gpu.dispatch(family, dtype, *shape)
-       for spec in ([launch.spec, launch.spec.with_(source=True)] if family is Family.SM90_SPARSE24 else [launch.spec])]))
-
-
-AFTER, BEFORE = (BY_ROWS, GATHER, STAGED, TRANSPOSED), (WRITE, WRITE_TRANSPOSED)
-
-
-def packings(w, planned):
-    """Each packing of ``w`` for a batch of ``planned`` rows with the residual modes it runs: the
-    split's own (small-batch kernels, modes after them; at large batches GEMMs with a source,
-    modes before them) and, at large batches, the GEMMs without a source (modes after them)."""
-    own = CsrSplitWeight.from_dense(w, planned)
-    if not getattr(own.main, "source", False):
-        return [(own, AFTER)]
-    plain = CsrSplitWeight.pack(w, lambda main, residual: gpu.CutlassSparse24Weight.from_dense(main))
-    return [(own, BEFORE), (plain, AFTER)]
+       for _, launch in gpu.dispatch(family, dtype, *shape)]))
 
 
 def with_mode(packed, mode):
     """The same split weight with its residual pass forced to ``mode``."""
-    symbol = residual_spec(packed.main.values.dtype).symbol
+    symbol = packed.residual.rsplit(":", 1)[0]
     return CsrSplitWeight(packed.main, packed.residual_values, packed.residual_index, f"{symbol}:{mode}")
 
 
@@ -62,21 +44,21 @@ def with_mode(packed, mode):
 @pytest.mark.parametrize("density", [0.05, 0.3])
 def test_every_batch_size_and_mode_matches_fp64(density, dtype):
     """A 200 x 528 weight (N and K no multiple of any tile) with an empty row, packed for small
-    and large batches, each residual mode, M from 1 to 1000, with bias and ReLU."""
+    and large batches, each residual mode (x copied transposed by the rule only for many entries
+    at a large batch), M from 1 to 1000, with bias and ReLU."""
     w = weight(200, 528, density, dtype, seed=int(density * 100))
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
     for planned in (16, 2048):
-        for packed, modes in packings(w, planned):
-            assert packed.residual_entries > 0 and torch.equal(packed.to_dense(), w)
-            if packed.residual:                                          # the split's own: its mode by the rule
-                assert (int(packed.residual.rsplit(":", 1)[1]) in BEFORE) == (planned == 2048) == (modes == BEFORE)
-            for mode in modes:
-                forced = with_mode(packed, mode)
-                for m in (1, 7, 16, 33, 64, 1000):
-                    x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
-                    error = rel_error(run(forced, x, bias, "relu"), reference(x, w, bias, "relu"))
-                    assert error <= TOLERANCE[dtype], (planned, mode, m, error)
+        packed = CsrSplitWeight.from_dense(w, planned)
+        assert packed.residual_entries > 0 and torch.equal(packed.to_dense(), w)
+        assert packed.residual.endswith(f":{TRANSPOSED}") == (planned == 2048 and density == 0.3)
+        for mode in (BY_ROWS, GATHER, STAGED, TRANSPOSED):
+            forced = with_mode(packed, mode)
+            for m in (1, 7, 16, 33, 64, 1000):
+                x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+                error = rel_error(run(forced, x, bias, "relu"), reference(x, w, bias, "relu"))
+                assert error <= TOLERANCE[dtype], (planned, mode, m, error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,8 +98,7 @@ def test_fully_empty_and_fully_dense_weights(dtype):
         assert empty.residual == ""
         full_w = weight(256, 512, 1.1, dtype, seed=8, empty_rows=())
         full = CsrSplitWeight.from_dense(full_w, planned)
-        mode = WRITE_TRANSPOSED if planned == 2048 else BY_ROWS    # GEMMs with a source add it; else by rows
-        assert full.residual_entries == full_w.numel() // 2 and full.residual.endswith(f":{mode}")
+        assert full.residual_entries == full_w.numel() // 2 and full.residual.endswith(f":{BY_ROWS}")   # 256 entries an output
         for m in (3, 300):
             x = torch.randn(m, 512, generator=gen).to(dtype).cuda()
             expected = reference(x, torch.zeros(256, 512, dtype=dtype, device="cuda"), bias, "silu")
@@ -160,43 +141,6 @@ def test_graph_replay_matches_eager(dtype):
         packed = CsrSplitWeight.from_dense(w, planned)
         x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
         assert replays_like_eager(lambda x: run(packed, x, None, "gelu_tanh"), x), m
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_gemm_with_a_source_adds_y_before_the_activation_and_one_without_refuses(dtype):
-    """y = act(x W^T + bias + y) on a random y (ADD_TO_OUTPUT), fp64 reference; a kernel built
-    without a source ignores y without the flag (a NaN-filled y is fully overwritten) and refuses
-    the flag; one with a source refuses a call without it (CUTLASS would load C all the same)."""
-    w = weight(512, 1024, 0.5, dtype, seed=15)
-    w.view(512, -1, 4)[..., 2:] = 0                                   # 2:4
-    gen = torch.Generator().manual_seed(16)
-    bias = torch.randn(512, generator=gen).to(dtype).cuda()
-    with_source = gpu.CutlassSparse24Weight.from_dense(w, source=True)
-    without = gpu.CutlassSparse24Weight.from_dense(w)
-    assert with_source.source and not without.source
-    for m in (7, 1000):
-        x = torch.randn(m, 1024, generator=gen).to(dtype).cuda()
-        y0 = torch.randn(m, 512, generator=gen).to(dtype).cuda()
-        for packed, add in ((with_source, True), (with_source, False), (without, False), (without, True)):
-            kernel, swizzle, splits, flags = gpu.kernel_for(packed.kernels, m)
-            assert kernel.spec.source == packed.source
-            y = y0.clone() if add else torch.full_like(y0, float("nan"))
-            size = kernel.workspace_size(512, m, 1024, swizzle, splits)
-            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
-
-            def call():
-                kernel.gemm(packed.values.data_ptr(), packed.metadata.data_ptr(), x.data_ptr(), bias.data_ptr(),
-                            y.data_ptr(), 512, m, 1024, ACTIVATION_CODES["gelu"] + flags + (ADD_TO_OUTPUT if add else 0),
-                            torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
-                            workspace=workspace.data_ptr())
-            if add != packed.source:
-                with pytest.raises(KernelRunError, match="no source" if add else "reads y as its source"):
-                    call()
-                continue
-            call()
-            expected = torch.nn.functional.gelu(x.double() @ w.double().t() + bias.double()
-                                                + (y0.double() if add else 0))
-            assert rel_error(y, expected) <= TOLERANCE[dtype], (m, add, packed.source)
 
 
 def test_compile_packs_unstructured_sites_for_the_fastest_kernel():

@@ -56,7 +56,7 @@ def small_batch_session_specs() -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
-def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16",)) -> list[KernelSpec]:
+def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -> list[KernelSpec]:
     """What a session on split unstructured weights needs, for one parallel build: the kernels
     tests/test_gpu_csr_split.py declares, and for ``shapes`` (kernels_csr.py --no-tiled) the
     compressors, the residual pass and the 2:4 GEMMs of the dispatch."""

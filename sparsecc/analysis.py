@@ -2,7 +2,9 @@
 
 The cost model only considers formats that represent the weight exactly, so this module
 answers, per weight: its density; for each group size m along K, the smallest n such that
-the weight fits n:m; and for each block shape, the fraction of blocks that hold a non-zero.
+the weight fits n:m, and how many non-zeros lie beyond two per group of four (the residual of
+a split CSR weight, which the cost model prices); and for each block shape, the fraction of
+blocks that hold a non-zero.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class WeightStats:
     dtype: str
     nnz: int
     nm_min_n: dict[int, int] = field(default_factory=dict)
+    #: non-zeros beyond the first two of their group of four along K: what a split CSR weight
+    #: (sparsecc.csr_split) leaves to its residual pass
+    beyond_24: int = 0
     block_density: dict[tuple[int, int], float] = field(default_factory=dict)
 
     @property
@@ -61,7 +66,10 @@ def analyze(weight: torch.Tensor, *, extra_group_sizes: tuple[int, ...] = (),
                         nnz=int(nonzero.sum()))
     for m in sorted(set(NM_GROUP_SIZES) | set(extra_group_sizes)):
         if m <= cols and m >= 2:
-            stats.nm_min_n[m] = int(group_along_k(nonzero, m).sum(-1).max()) if nonzero.numel() else 0
+            counts = group_along_k(nonzero, m).sum(-1)
+            stats.nm_min_n[m] = int(counts.max()) if nonzero.numel() else 0
+            if m == 4:
+                stats.beyond_24 = int((counts - 2).clamp(min=0).sum())
     for h, w in dict.fromkeys(BLOCK_SHAPES + tuple(extra_blocks)):
         if rows % h == 0 and cols % w == 0:
             present = nonzero.reshape(rows // h, h, cols // w, w).any(3).any(1)

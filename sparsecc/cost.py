@@ -350,13 +350,49 @@ class CostModel:
         return calib.Workload(**fields)
 
     def predict_us(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None = None) -> float:
+        """The predicted time of ``spec`` at ``m`` rows for a site packed for ``planned_m`` rows;
+        CSR on sparsecc's kernels: the faster of the tiled kernel and the split onto the 2:4
+        kernels (compile times the CSR kernels and packs the fastest)."""
         w = self.workload(stats, spec, m, planned_m)
+        predicted = self._predict_workload(w)
+        if w.impl == "csr-kernel":
+            split = self._split_us(stats, m, planned_m)
+            predicted = predicted if split is None else min(predicted, split)
+        return predicted
+
+    def _predict_workload(self, w: calib.Workload) -> float:
         if self.calibration is not None:
             predicted = self.calibration.predict_us(w)
             if predicted is not None:
                 return predicted * self.cpu_speed()
+        return self._fallback_fit(w.impl).predict_us(*calib.work(w))
+
+    def _fallback_fit(self, impl: str) -> calib.Fit:
         fits = _FALLBACK_FITS["cuda" if self.device.type == "cuda" else "cpu"]
-        return fits.get(w.impl, fits["dense"]).predict_us(*calib.work(w))
+        return fits.get(impl, fits["dense"])
+
+    def _split_us(self, stats: WeightStats, m: int, planned_m: int | None) -> float | None:
+        """The predicted time of the weight split onto the 2:4 kernels (sparsecc.csr_split), or
+        None where the split does not take its shape: the 2:4 part as a 2:4 site packed for the
+        same batch, then the residual pass, priced by its bytes at the dense fit's bandwidth
+        (one more launch): y read and written, and per entry of R (``stats.beyond_24``) and row
+        of x its mode's :data:`sparsecc.csr_split.ENTRY_BYTES` (plus x read and written once
+        more where it copies or stages x)."""
+        from .csr_split import BY_ROWS, ENTRY_BYTES, GATHER, STAGED, STAGED_MIN_ROWS, residual_mode, shape_supported
+        n, k = stats.shape
+        if shape_supported(n, k, getattr(torch, stats.dtype)) is not None:
+            return None
+        main = self.predict_us(stats, NM_2_4, m, planned_m)
+        if not stats.beyond_24:
+            return main
+        e = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
+        mode = residual_mode(stats.beyond_24, n, k, planned_m)
+        nbytes = 2.0 * m * n * e                                          # y read and written
+        if mode == BY_ROWS:
+            mode = STAGED if m >= STAGED_MIN_ROWS else GATHER
+        nbytes += ENTRY_BYTES[mode] * stats.beyond_24 * m + (2.0 * m * k * e if mode != GATHER else 0.0)
+        dense = (self.calibration.fit_for("dense", stats.dtype) if self.calibration is not None else None)
+        return main + (dense or self._fallback_fit("dense")).predict_us(0.0, nbytes)
 
     def decide(self, stats: WeightStats, m: int | None, allowed: list[FormatSpec] | None,
                measure_sites=None, m_range: tuple[int, int] | None = None) -> Decision:

@@ -45,6 +45,8 @@ BY_ROWS, GATHER, STAGED, TRANSPOSED = 0, 1, 2, 3
 #: cost more than it saved at density 0.01 (0.003 entries per output: 288.5 against 268.7 us) and
 #: paid at 0.05 (0.5 per output: 304.7 against 332.5 us); at M = 16 and 64 gathering won everywhere
 STAGED_MIN_ENTRIES = 0.25
+#: mode BY_ROWS stages x from this many rows of x (templates/residual_sm90.cu.j2, kStagedMinRows)
+STAGED_MIN_ROWS = 256
 #: at batches of at least TRANSPOSED_MIN_ROWS rows, a residual with at least
 #: TRANSPOSED_MIN_ENTRIES entries per input feature and fewer than TRANSPOSED_MAX_ENTRIES per
 #: output feature gathers from x^T. Measured on an H200 at M = 2048 (benchmarks/lab/
@@ -58,6 +60,12 @@ STAGED_MIN_ENTRIES = 0.25
 TRANSPOSED_MIN_ENTRIES = 0.35
 TRANSPOSED_MAX_ENTRIES = 16
 TRANSPOSED_MIN_ROWS = 256
+#: what the cost model (sparsecc.cost) charges per entry of R and row of x, by mode, in bytes at
+#: the dense bandwidth: gathering reads a 32-byte sector of x per entry and row, the copy of x^T
+#: one per eight rows; staging walks each output's entries one after another from shared memory,
+#: which took the time of about 1.5 bytes per entry and row on an H100 at M = 2048, d = 0.3
+#: (benchmarks/results/kernels_csr-*-2026-11-25: 11008x4096 1498 us, 4096x4096 558 us)
+ENTRY_BYTES = {GATHER: 32.0, STAGED: 1.5, TRANSPOSED: 4.0}
 
 
 def residual_mode(entries: int, out_features: int, in_features: int, m: int | None) -> int:

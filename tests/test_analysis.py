@@ -19,13 +19,20 @@ def brute_min_n(w, m):
     return worst
 
 
+def brute_beyond_24(w):
+    """Non-zeros beyond two in each group of four along K, the last group zero-padded (definition)."""
+    rows, cols = w.shape
+    return sum(max(0, int((w[r, start:start + 4] != 0).sum()) - 2) for r in range(rows) for start in range(0, cols, 4))
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 12), cols=st.integers(4, 40), density=st.floats(0, 1), seed=st.integers(0, 2**31))
-def test_nm_min_n_matches_the_definition(rows, cols, density, seed):
+def test_nm_min_n_and_the_residual_beyond_24_match_the_definition(rows, cols, density, seed):
     w = unstructured(rows, cols, density, torch.Generator().manual_seed(seed))
     stats = analyze(w)
     for m, n in stats.nm_min_n.items():
         assert n == brute_min_n(w, m)
+    assert stats.beyond_24 == brute_beyond_24(w)
     assert stats.nnz == int((w != 0).sum())
     assert abs(stats.density - stats.nnz / w.numel()) < 1e-12
 

@@ -133,6 +133,38 @@ def test_large_24_matmul_runs_on_the_24_kernel(gen):
     assert by_format["2:4"] < 0.9 * by_format["dense"]
 
 
+def test_csr_on_the_kernels_is_predicted_as_the_faster_of_the_tiled_kernel_and_the_split(gen):
+    """CSR on sparsecc's kernels: the tiled kernel's prediction or, where the split onto the 2:4
+    kernels takes the shape, the 2:4 prediction plus the residual pass's bytes, whichever is
+    less (compile times the CSR kernels and packs the fastest). At M = 2048 the split keeps a
+    1%-dense weight within the shortlist of dense (the tiled kernel alone is predicted several
+    times slower, as measured: kernels_csr-*-2026-11-25), a 30%-dense one not; a weight with no
+    residual is predicted as 2:4; a shape the split refuses keeps the tiled prediction."""
+    from sparsecc.cost import SHORTLIST_FACTOR
+    model, csr, dense, nm = _h100(), FormatSpec("csr"), FormatSpec("dense"), FormatSpec.parse("2:4")
+
+    def tiled(stats, m):
+        return model._predict_workload(model.workload(stats, csr, m, m))
+
+    sparse = analyze(unstructured(4096, 4096, 0.01, gen).half())
+    assert sparse.beyond_24 > 0
+    split = model._split_us(sparse, 2048, 2048)
+    assert model.predict_us(sparse, csr, 2048, 2048) == split
+    residual_us = split - model.predict_us(sparse, nm, 2048, 2048)     # at least y read and written
+    assert residual_us >= 2 * 2048 * 4096 * 2 / model.calibration.fit_for("dense", "float16").bandwidth * 1e6
+    assert split < SHORTLIST_FACTOR * model.predict_us(sparse, dense, 2048, 2048) < tiled(sparse, 2048)
+    denser = analyze(unstructured(4096, 4096, 0.3, gen).half())
+    assert model.predict_us(denser, csr, 2048, 2048) > SHORTLIST_FACTOR * model.predict_us(denser, dense, 2048, 2048)
+    for m in (1, 16, 64, 2048):
+        for stats in (sparse, denser):
+            assert model.predict_us(stats, csr, m, m) == min(tiled(stats, m), model._split_us(stats, m, m))
+    fits_24 = analyze(n_m(1024, 1024, 2, 4, gen).half())
+    assert fits_24.beyond_24 == 0 and model._split_us(fits_24, 64, 64) == model.predict_us(fits_24, nm, 64, 64)
+    refused = analyze(unstructured(1004, 1024, 0.01, gen).half())          # N % 8 != 0: no split
+    assert model._split_us(refused, 2048, 2048) is None
+    assert model.predict_us(refused, csr, 2048, 2048) == tiled(refused, 2048)
+
+
 def test_24_reason_names_the_kernel_the_planned_batch_runs_on(gen):
     """A 2:4 site's reason names the kernel its planned batch takes: the CUDA-core small-batch
     kernel at M=1, the tensor-core one where the tuning table has it ahead of the GEMM (M=16 on

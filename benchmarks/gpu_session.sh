@@ -33,8 +33,7 @@ sys.path.insert(0, "benchmarks")
 import os
 import kernel_set
 from sparsecc import build
-specs = {"small-batch": kernel_set.small_batch_session_specs,
-         "csr-split": kernel_set.csr_split_session_specs}.get(os.environ.get("KERNELS"), kernel_set.session_specs)()
+specs = kernel_set.named_session_specs(os.environ.get("KERNELS"))
 start = time.time()
 build.build(specs, progress=False)
 print(f"kernels: {len(specs)}, built {build.LAST_BUILD.built}, from cache {build.LAST_BUILD.cached}, {time.time()-start:.1f} s")
@@ -49,10 +48,7 @@ import os
 import kernel_set
 from sparsecc import runtime
 imported = time.time()
-kernels = runtime.ensure({"small-batch": kernel_set.small_batch_session_specs,
-                          "csr-split": kernel_set.csr_split_session_specs}.get(os.environ.get("KERNELS"),
-                                                                              kernel_set.session_specs)(),
-                         progress=False)
+kernels = runtime.ensure(kernel_set.named_session_specs(os.environ.get("KERNELS")), progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
 # with PROBE=1: one kernel compiled from scratch into an empty cache, timed (in the background)

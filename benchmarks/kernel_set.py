@@ -73,6 +73,13 @@ def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -
     return list(dict.fromkeys(specs))
 
 
+def named_session_specs(name: str | None) -> list[KernelSpec]:
+    """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split", or
+    anything else for :func:`session_specs`."""
+    return {"small-batch": small_batch_session_specs,
+            "csr-split": csr_split_session_specs}.get(name, session_specs)()
+
+
 if __name__ == "__main__":
     from sparsecc.build import KernelCache, build
     specs = session_specs()

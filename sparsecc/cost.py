@@ -385,7 +385,7 @@ class CostModel:
         main = self.predict_us(stats, NM_2_4, m, planned_m)
         if not stats.beyond_24:
             return main
-        e = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
+        e = calib.element_size(stats.dtype)
         mode = residual_mode(stats.beyond_24, n, k, planned_m)
         nbytes = 2.0 * m * n * e                                          # y read and written
         if mode == BY_ROWS:

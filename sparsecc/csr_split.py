@@ -52,7 +52,7 @@ STAGED_MIN_ROWS = 256
 #: output feature gathers from x^T. Measured on an H200 at M = 2048 (benchmarks/lab/
 #: csr_residual_modes-*, 2026-11-26, every mode forced): from 0.5 to 10 entries per input the copy
 #: of x paid for itself (d = 0.05: 238.6 against 245.0 us staged on 4096x11008, 287.4 against 296.1
-#: on 11008x4096; d = 0.1: 2-6% ahead of staging), at 0.003-0.011 per input (d = 0.01) it cost 8 to
+#: on 11008x4096; d = 0.1: 3-7% ahead of staging), at 0.003-0.011 per input (d = 0.01) it cost 8 to
 #: 30 us more than gathering (the copy of x: about 8 us at K = 4096, 30 at K = 11008, against
 #: about 7 ns saved per entry), which puts the crossover near 0.3; at 94-250 per output (d = 0.3)
 #: its one thread per output feature ran 2x slower than staging. At M = 64 it lost to gathering

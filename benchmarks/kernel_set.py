@@ -63,7 +63,9 @@ def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -
     import importlib
     import os
     from sparsecc.csr_split import residual_spec
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
     specs = list(importlib.import_module("test_gpu_csr_split").KERNELS)
     for name in dtypes:
         dtype = getattr(torch, name)

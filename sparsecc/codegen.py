@@ -139,6 +139,9 @@ TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_CA
 #: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
 #: threads, K up to 12288 staged (192 KB of shared memory)
 TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
+#: the residual pass's mode 0 (sparsecc.csr_split.BY_ROWS) stages x from this many rows of x,
+#: below it gathers (templates/residual_sm90.cu.j2; the cost model prices the mode it picks)
+RESIDUAL_STAGED_MIN_ROWS = 256
 DEFAULT_LAYOUT = {Family.SM80_SPARSE24: {"transpose_out": True}}
 DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.SM80_SPARSE24: (128, 128, 64),
@@ -308,7 +311,8 @@ def render(spec: KernelSpec) -> str:
                                                              unchecked_nonfinite=UNCHECKED_NONFINITE,
                                                              gelu_polynomial=GELU_POLYNOMIAL,
                                                              guard_header_words=GUARD_HEADER_WORDS,
-                                                             guard_alignment=GUARD_ALIGNMENT)
+                                                             guard_alignment=GUARD_ALIGNMENT,
+                                                             staged_min_rows=RESIDUAL_STAGED_MIN_ROWS)
 
 
 def templates_digest() -> str:

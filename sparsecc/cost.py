@@ -391,7 +391,7 @@ class CostModel:
         if mode == BY_ROWS:
             mode = STAGED if m >= STAGED_MIN_ROWS else GATHER
         nbytes += ENTRY_BYTES[mode] * stats.beyond_24 * m + (2.0 * m * k * e if mode != GATHER else 0.0)
-        dense = (self.calibration.fit_for("dense", stats.dtype) if self.calibration is not None else None)
+        dense = self.calibration.fit_for("dense", stats.dtype) if self.calibration is not None else None
         return main + (dense or self._fallback_fit("dense")).predict_us(0.0, nbytes)
 
     def decide(self, stats: WeightStats, m: int | None, allowed: list[FormatSpec] | None,

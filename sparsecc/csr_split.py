@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import runtime
-from .codegen import Family, KernelSpec
+from .codegen import RESIDUAL_STAGED_MIN_ROWS, Family, KernelSpec
 from .epilogue import ACTIVATION_CODES, Activation
 from .errors import InputError
 from .formats import CSR, CSRWeight, PackedWeight, group_along_k
@@ -45,8 +45,8 @@ BY_ROWS, GATHER, STAGED, TRANSPOSED = 0, 1, 2, 3
 #: cost more than it saved at density 0.01 (0.003 entries per output: 288.5 against 268.7 us) and
 #: paid at 0.05 (0.5 per output: 304.7 against 332.5 us); at M = 16 and 64 gathering won everywhere
 STAGED_MIN_ENTRIES = 0.25
-#: mode BY_ROWS stages x from this many rows of x (templates/residual_sm90.cu.j2, kStagedMinRows)
-STAGED_MIN_ROWS = 256
+#: mode BY_ROWS stages x from this many rows of x (the kernel's own rule), else gathers
+STAGED_MIN_ROWS = RESIDUAL_STAGED_MIN_ROWS
 #: at batches of at least TRANSPOSED_MIN_ROWS rows, a residual with at least
 #: TRANSPOSED_MIN_ENTRIES entries per input feature and fewer than TRANSPOSED_MAX_ENTRIES per
 #: output feature gathers from x^T. Measured on an H200 at M = 2048 (benchmarks/lab/

@@ -2,8 +2,9 @@
 # One session on a GPU machine with no network: install the carried CUTLASS wheel and
 # sparsecc, build the kernels (the carried cache .kcache/ is reused when the compiler
 # matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
-# KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=csr-split what the
-# split CSR tests and kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
+# KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=dense what
+# kernels.py --dense-only sweeps, KERNELS=csr-split what the split CSR tests and
+# kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
 # (e2e.py, decode.py, kernels.py and cost_model.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS /
 # COST_ARGS are set, possibly empty; HOST=0 skips host_overhead.py)

@@ -75,15 +75,28 @@ def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -
     return list(dict.fromkeys(specs))
 
 
+def dense_session_specs() -> list[KernelSpec]:
+    """What ``kernels.py --dense-only`` sweeps and runs, in both dtypes: every candidate launch
+    of the dense GEMM and the dense small-batch kernel, and the dense launches the dispatch
+    tables name for the benchmark's shapes."""
+    specs = []
+    for name in ("float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        specs += [launch.spec for family in (Family.SM90_DENSE, Family.GEMV_MMA_SM90_DENSE)
+                  for launch in gpu.candidates(family, dtype)]
+        specs += [launch.spec for n, k in SHAPES for _, launch in gpu.dispatch(Family.SM90_DENSE, dtype, n, k)]
+    return list(dict.fromkeys(specs))
+
+
 def named_session_specs(name: str | None) -> list[KernelSpec]:
-    """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split", or
-    anything else for :func:`session_specs`."""
-    return {"small-batch": small_batch_session_specs,
-            "csr-split": csr_split_session_specs}.get(name, session_specs)()
+    """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split",
+    "dense", or anything else for :func:`session_specs`."""
+    return {"small-batch": small_batch_session_specs, "csr-split": csr_split_session_specs,
+            "dense": dense_session_specs}.get(name, session_specs)()
 
 
 if __name__ == "__main__":
     from sparsecc.build import KernelCache, build
-    specs = session_specs()
+    specs = named_session_specs(sys.argv[2] if len(sys.argv) > 2 else None)
     print(len(specs), "kernels", flush=True)
     build(specs, cache=KernelCache(sys.argv[1]) if len(sys.argv) > 1 else None)

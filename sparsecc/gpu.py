@@ -69,11 +69,23 @@ _CANDIDATES = {
     Family.SM90_DENSE: [
         (dict(tile=(128, 64, 64)), {}), (dict(tile=(128, 128, 64)), {}), (dict(tile=(128, 256, 64)), {}),
         (dict(tile=(128, 256, 64)), dict(swizzle=8)), (dict(tile=(256, 128, 64), cluster=(2, 1)), {}),
+        # clusters of two CTAs loading their common tile once through TMA multicast: of x (2, 1:
+        # neighbours along W's rows) or of W (1, 2: neighbours along x's rows)
+        (dict(tile=(128, 256, 64), cluster=(2, 1)), {}), (dict(tile=(128, 256, 64), cluster=(1, 2)), {}),
+        (dict(tile=(256, 128, 64), cluster=(1, 2)), {}),
+        # one warpgroup per 64 rows of W, two tiles in flight per CTA: 64 x 64 tiles give a
+        # 4096-row weight at 128 rows of x 128 CTAs where 128 x 64 tiles give 64 (in pairs
+        # that read their tile of W once: cluster (1, 2))
+        (dict(tile=(64, 256, 64), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(64, 128, 64), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(64, 64, 64), schedule=Schedule.PINGPONG), {}),
+        (dict(tile=(64, 64, 64), schedule=Schedule.PINGPONG, cluster=(1, 2)), {}),
         (dict(tile=(128, 128, 64), schedule=Schedule.PINGPONG), {}),
         (dict(tile=(128, 128, 64), schedule=Schedule.PINGPONG), dict(swizzle=4)),
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), {}),
         (dict(tile=(128, 64, 64), scheduler=Scheduler.STREAMK), dict(splits=4)),
         (dict(tile=(128, 128, 64), scheduler=Scheduler.STREAMK), {}),
+        (dict(tile=(128, 256, 64), scheduler=Scheduler.STREAMK), {}),   # a last partial wave of wide tiles
         # K in slices (split-K as a batch): one wave of output tiles x slices, or 4 / 8 slices
         (dict(tile=(128, 64, 64), scheduler=Scheduler.SLICED), {}),
         (dict(tile=(128, 64, 64), scheduler=Scheduler.SLICED), dict(splits=4)),

@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
                     impls = {impl: impls[impl] for impl in ("cublas", "sparsecc-dense")}
                 if args.sparse_only:
                     del impls["sparsecc-dense"]
-                elif not isinstance(w_semi, Exception):
+                if not args.dense_only and not isinstance(w_semi, Exception):
                     impls["torch-semi-structured"] = lambda: torch.relu(F.linear(x, w_semi, bias))
                 base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
                 point = []

@@ -7,14 +7,19 @@
 - ``sparsecc-bsr``: sparsecc's BSR kernel, epilogue and transpose fused (its M dispatch table),
 - ``sparsecc-bsr-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
 - ``sparsecc-bsr-nonfinite-pass``: the part of ``sparsecc-bsr`` that makes NaN and Inf of x
-  propagate as in dense, timed alone.
+  propagate as in dense, timed alone;
+- ``sparsecc-bsr-wgmma``: at 2 to 16 rows of x (where the dispatch runs the small-batch mma
+  kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison.
 
-Weights have exactly ``density`` of their blocks stored (random positions, random values).
+Weights have exactly ``density`` of their blocks stored (random positions, random values). At
+M <= 64 every call reads its own copy of its weight (common.rotating; torch's Triton kernel
+one copy), from memory as in a model's decode step, not from the L2 cache.
 Rows carry ``us`` (CUDA-graph replay), ``us_eager``, ``rel_err`` (against fp32), ``block``,
 ``density`` and ``nbytes`` (the packed weight: values plus indices). Writes
 benchmarks/results/kernels_bsr-<gpu>-<date>.json and a plot beside it.
 
     python benchmarks/kernels_bsr.py [--dtypes float16] [--ms 2048 8192] [--blocks 32 64]
+    python benchmarks/kernels_bsr.py --ms 1 4 8 16 --densities 0.1 --blocks 64 --stem kernels_bsr_small
 """
 from __future__ import annotations
 
@@ -26,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, plot_per_dtype, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, plot_per_dtype, rel_err, rotating, time_eager_us, time_graph_us, write  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
 from sparsecc.bsr_kernel import BsrKernelWeight, dispatch  # noqa: E402
+from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
@@ -56,9 +62,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
     parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the 2:4 issue's six)")
     parser.add_argument("--no-triton", action="store_true", help="leave torch's Triton kernel out")
+    parser.add_argument("--stem", default=None, help="results file name stem (default kernels_bsr)")
     args = parser.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    result = environment("kernels_bsr")
+    result = environment(args.stem or "kernels_bsr")
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         dtype = getattr(torch, name)
@@ -85,22 +92,29 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
     dtype = w.dtype
     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
-    args = (packed.values, packed.metadata, n, k, bias, "relu", False, False)
+
+    def sparsecc(table):
+        return lambda values, metadata: gpu.linear_kernel(x, values, metadata, n, k, bias, "relu", False, False, table)
     impls = {
-        "cublas": lambda: torch.relu(F.linear(x, w, bias)),
-        "sparsecc-bsr": lambda: gpu.linear_kernel(x, *args, packed.kernels),
-        "sparsecc-bsr-unchecked": lambda: gpu.linear_kernel(x, *args, unchecked),
+        "cublas": (lambda w: torch.relu(F.linear(x, w, bias)), (w,)),
+        "sparsecc-bsr": (sparsecc(packed.kernels), (packed.values, packed.metadata)),
+        "sparsecc-bsr-unchecked": (sparsecc(unchecked), (packed.values, packed.metadata)),
     }
+    if 1 < m <= 16:
+        wgmma = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
+        impls["sparsecc-bsr-wgmma"] = (sparsecc(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),
+                                       (packed.values, packed.metadata))
     if triton:
         from torch.sparse._triton_ops import bsr_dense_mm
-        impls["torch-bsr-triton"] = lambda: torch.relu(bsr_dense_mm(w_bsr, x.t()).t() + bias)
+        impls["torch-bsr-triton"] = (lambda: torch.relu(bsr_dense_mm(w_bsr, x.t()).t() + bias), ())   # one copy
     base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": [block, block],
             "density": density}
     point = []
-    for impl, fn in impls.items():
+    for impl, (call, tensors) in impls.items():
         row = {"impl": impl, "format": "dense" if impl == "cublas" else f"bsr{block}x{block}", **base,
                "nbytes": w.numel() * w.element_size() if impl == "cublas" else packed.nbytes}
         try:
+            fn = rotating(call, *tensors)[0] if m <= 64 else (lambda: call(*tensors))
             row["rel_err"] = rel_err(fn(), ref)
             row["us"] = time_graph_us(fn)
             row["us_eager"] = time_eager_us(fn)

@@ -1,7 +1,8 @@
 """Block-sparse (BSR) weights on sparsecc's tensor-core kernels (templates/bsr_sm90*.cu.j2).
 
 The kernels loop over the stored blocks only: the wgmma kernel one block row of W against a
-tile of x's rows per CTA, the streaming (small-batch) kernel a few weight rows per warp. The
+tile of x's rows per CTA, the small-batch kernels a few weight rows per warp (the streaming
+one on CUDA cores for one row of x, the mma one on tensor cores for up to 16). The
 packed layout is the portable BSR one with the block rows ordered for balance:
 
 - ``values``: ``[blocks, h, w]``, each stored block row-major, block row after block row and
@@ -12,7 +13,7 @@ packed layout is the portable BSR one with the block rows ordered for balance:
   greedy balance across SMs), ``col [blocks]`` (the block column of each stored block),
   then the site's non-finite guard (:mod:`sparsecc.nonfinite_guard`).
 
-Where the wgmma kernel runs a site, a block column that no block row stores gets a block of
+Where the wgmma or the mma kernel runs a site, a block column that no block row stores gets a block of
 zeros (``cover_columns``): the product's sums then meet every input, so the NaN/Inf pass reads
 no part of x unless a sum was not finite.
 
@@ -33,11 +34,13 @@ from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
 from .nonfinite_guard import cover_block_columns, guard_words
 
 #: the kernel for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> family, rows of x
-#: per CTA): the streaming kernel (CUDA cores, memory-bound) for one row, the wgmma kernel
-#: above, 64 rows per CTA up to 128 and 128 rows beyond (measured on an H100: the streaming
-#: kernel 3.7-5.0x cuBLAS at M=1 and 90% block sparsity on the 11008/4096 shapes, 1.0-1.5x
-#: at 16 rows, where the wgmma kernel reaches 2.9x)
-DEFAULT_KERNEL = {1: (Family.BSR_SM90, 1), 16: (Family.BSR_SM90_WGMMA, 64), 128: (Family.BSR_SM90_WGMMA, 64),
+#: per CTA): the streaming kernel (CUDA cores, memory-bound) for one row, the small-batch
+#: tensor-core kernel (mma.sync, memory-bound) up to 16 rows, the wgmma kernel above, 64 rows
+#: per CTA up to 128 and 128 rows beyond. At 90% block sparsity on the 11008/4096 shapes: the
+#: streaming kernel 3.7-5.0x cuBLAS at M=1 (H100), 1.0-1.5x at 16 rows; the mma kernel
+#: 2.3-3.2x at 16 rows where the wgmma kernel ran 1.6-2.4x (H200,
+#: benchmarks/results/kernels_bsr_small-*-2026-11-26)
+DEFAULT_KERNEL = {1: (Family.BSR_SM90, 1), 16: (Family.BSR_MMA_SM90, 16), 128: (Family.BSR_SM90_WGMMA, 64),
                   2048: (Family.BSR_SM90_WGMMA, 128), 0: (Family.BSR_SM90_WGMMA, 128)}
 
 

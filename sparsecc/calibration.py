@@ -55,9 +55,10 @@ log = logging.getLogger("sparsecc")
 #: what runs a format: torch's dense GEMM, sparsecc's 2:4 CUTLASS GEMM and small-batch kernel,
 #: torch's n:m path (unpack to dense, then dense), torch's BSR product (or, where torch has
 #: no BSR kernel for the dtype or block, sparsecc.ops' batched block products), sparsecc's
-#: BSR kernels, torch's CSR product and sparsecc's CSR kernel
+#: BSR kernels (wgmma; streaming on CUDA cores; mma.sync for small batches), torch's CSR product
+#: and sparsecc's CSR kernel
 IMPLS = ("dense", "sparse24-gemm", "sparse24-gemv", "sparse24-mma", "nm-unpack", "bsr", "bsr-bmm", "bsr-kernel", "bsr-kernel-small",
-         "csr", "csr-kernel")
+         "bsr-kernel-mma", "csr", "csr-kernel")
 #: on the CPU the probes are timed in this many rounds over all of them, each keeping its
 #: fastest: a shared machine's speed drifts by tens of percent over seconds, and rounds spread
 #: over the whole calibration catch each probe at least once undisturbed
@@ -109,9 +110,10 @@ def work(w: Workload, sms: int = DEFAULT_SMS) -> tuple[float, float]:
     if w.impl == "nm-unpack":     # values + uint8 indices read, dense weight written and read back
         kept = n * k * w.density
         return 2.0 * m * n * k, kept * (e + 1) + 2 * n * k * e + act
-    if w.impl == "bsr-kernel-small":
-        # the streaming kernel: the stored blocks and their block columns read once (x's
-        # matching inputs come from L1/L2), y written once; fp32 math on CUDA cores
+    if w.impl in ("bsr-kernel-small", "bsr-kernel-mma"):
+        # the small-batch kernels: the stored blocks and their block columns read once (x's
+        # matching inputs come from L1/L2), y written once; fp32 sums (CUDA cores for one row
+        # of x, mma.sync for up to 16)
         h, bw = w.block or (32, 32)
         stored = (w.block_density if w.block_density is not None else w.density) * n * k
         return 2.0 * m * stored, stored * e + stored / (h * bw) * 4 + m * k * e + m * n * e
@@ -161,32 +163,39 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 #: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
 #: kCtasPerSm: three or two for the largest tiles), the CSR kernel two
 RESIDENT_CTAS = {"bsr-kernel": 4, "csr-kernel": 2}
-#: warps resident per SM of the streaming BSR kernel (64 registers a thread), and the warps it
-#: lets share a block row at most (templates/bsr_sm90.cu.j2: kMaxSplit)
+#: warps resident per SM of the streaming BSR kernel (64 registers a thread) and of the
+#: small-batch mma one (about 110: two CTAs of 8 warps), and the warps each lets share a block
+#: row at most (templates/bsr_sm90.cu.j2, bsr_mma_sm90.cu.j2: kMaxSplit)
 STREAM_WARPS_PER_SM, STREAM_MAX_SPLIT = 32, 4
+MMA_WARPS_PER_SM, MMA_MAX_SPLIT = 16, 8
 
 
 def _stream_steps(w: Workload, sms: int) -> float:
-    """The streaming BSR kernel's rounds of loads one after another on the busiest warp slot:
-    a warp's rounds (its share of a block row's blocks, kLoads in flight per round) times the
-    waves of warps, with the kernel's split of block rows across warps."""
+    """The small-batch BSR kernels' rounds of loads one after another on the busiest warp slot:
+    a warp's rounds (its share of a block row's blocks, its loads in flight per round) times
+    the waves of warps, with the kernel's split of block rows across warps. The streaming kernel
+    (1-4 rows of x per CTA) gives a warp 256 / w weight rows and 4 or 2 blocks per round, the
+    mma kernel (16 rows of x) 16 weight rows and 128 / w blocks."""
     h, bw = w.block or (32, 32)
     tile_m = (w.tile or (h, 1))[1]
     density = w.block_density if w.block_density is not None else w.density
-    slices = w.n * bw / 256                      # a warp takes 256 / bw weight rows
+    if w.impl == "bsr-kernel-mma":     # splits while the warps fit one wave of its slots
+        slices, max_split, split_slots, slots, loads = w.n / 16, MMA_MAX_SPLIT, MMA_WARPS_PER_SM, MMA_WARPS_PER_SM, 128 / bw
+    else:                              # splits while they fit the SM's 64 warp slots
+        slices, max_split, split_slots, slots = w.n * bw / 256, STREAM_MAX_SPLIT, 64, STREAM_WARPS_PER_SM
+        loads = 4 if tile_m == 1 else 2
     split = 1
-    while split < STREAM_MAX_SPLIT and slices * split * 2 <= sms * 64:
+    while split < max_split and slices * split * 2 <= sms * split_slots:
         split *= 2
-    loads = 4 if tile_m == 1 else 2
     rounds = max(1.0, math.ceil(density * w.k / bw / (split * loads)))
     warps = slices * split * math.ceil(w.m / tile_m)
-    return rounds * max(1.0, warps / (sms * STREAM_WARPS_PER_SM))
+    return rounds * max(1.0, warps / (sms * slots))
 
 
 def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
     """Dependent pipeline steps on the busiest SM (see the module docstring): the steps of one
     CTA times the CTAs each resident slot runs; 0 for implementations not modelled by steps."""
-    if w.impl == "bsr-kernel-small":
+    if w.impl in ("bsr-kernel-small", "bsr-kernel-mma"):
         return _stream_steps(w, sms)
     if w.impl not in RESIDENT_CTAS:
         return 0.0

@@ -89,6 +89,9 @@ _SMALL_BATCH_UNITS = {Family.GEMV_SM90_SPARSE24: "CUDA cores", Family.GEMV_MMA_S
 _SPARSE24_IMPL = {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
                   None: "sparse24-gemm"}
 
+#: the implementation (calibration.IMPLS) of a BSR site on each BSR kernel family
+_BSR_IMPL = {Family.BSR_SM90_WGMMA: "bsr-kernel", Family.BSR_SM90: "bsr-kernel-small", Family.BSR_MMA_SM90: "bsr-kernel-mma"}
+
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
     "cuda": {"dense": calib.Fit(6.0, 600e12, 2.4e12, 4.0), "sparse24-gemm": calib.Fit(8.0, 450e12, 2.0e12, 4.0),
@@ -96,6 +99,9 @@ _FALLBACK_FITS = {
              "sparse24-mma": calib.Fit(5.0, 50e12, 1.8e12, 4.0), "nm-unpack": calib.Fit(20.0, 600e12, 1.5e12, 1.0),
              "bsr": calib.Fit(200.0, 60e12, 0.5e12, 2.0), "csr": calib.Fit(200.0, 3e12, 0.5e12, 2.0),
              "bsr-kernel": calib.Fit(8.0, 450e12, 6e12, 4.0), "bsr-kernel-small": calib.Fit(8.0, 350e12, 2.2e12, 4.0),
+             # (until a calibration measures it: the small-batch mma BSR kernel, by eye from
+             # benchmarks/results/kernels_bsr_small-*-2026-11-26, an H200)
+             "bsr-kernel-mma": calib.Fit(4.5, 400e12, 2.0e12, 8.0),
              "csr-kernel": calib.Fit(8.0, 250e12, 2.2e12, 4.0)},
     "cpu": {"dense": calib.Fit(10.0, 100e9, 20e9, 2.0), "nm-unpack": calib.Fit(20.0, 100e9, 10e9, 1.0),
             "bsr": calib.Fit(30.0, 30e9, 10e9, 2.0), "bsr-bmm": calib.Fit(60.0, 20e9, 10e9, 1.0),
@@ -341,8 +347,7 @@ class CostModel:
         if impl == "bsr-kernel":         # the site's dispatch table picks the kernel by the call's M
             from .bsr_kernel import kernel_for_rows
             family, tile_m = kernel_for_rows(m)
-            fields.update(impl="bsr-kernel" if family is Family.BSR_SM90_WGMMA else "bsr-kernel-small",
-                          tile=(spec.block[0], tile_m))
+            fields.update(impl=_BSR_IMPL[family], tile=(spec.block[0], tile_m))
         if impl == "csr-kernel":
             from .codegen import CSR_TILE_N
             from .csr_kernel import tile_m_for

@@ -20,10 +20,10 @@ def pack_for_kernels(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, p
     if spec == NM_2_4:
         return pack_24_for(weight, m, progress=progress)
     if spec.kind == "bsr" and spec.block is not None:
-        # blocks of zeros cover the empty block columns where the wgmma kernel runs the site
-        # (its NaN pass then reads no part of x); the streaming kernel (M = 1) reads only stored bytes
-        wgmma = m is None or kernel_for_rows(m)[0] is Family.BSR_SM90_WGMMA
-        return BsrKernelWeight.from_dense(weight, spec.block, cover_columns=wgmma, progress=progress)
+        # blocks of zeros cover the empty block columns where a kernel with the NaN pass runs the
+        # site (the pass then reads no part of x); the streaming kernel (M = 1) reads only stored bytes
+        covered = m is None or kernel_for_rows(m)[0] is not Family.BSR_SM90
+        return BsrKernelWeight.from_dense(weight, spec.block, cover_columns=covered, progress=progress)
     if spec.kind == "csr":
         return pack_unstructured(weight, m, progress=progress)
     raise InputError(f"sparsecc has no kernel for {spec}")

@@ -2,9 +2,9 @@
 block shape the benchmarks and the plans use, against an fp64 reference, with random block
 patterns, empty block rows, a fully empty and a fully dense weight, every activation, odd
 batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model. The
-dispatch runs the streaming kernel (bsr_sm90) for M = 1 and the wgmma kernel
-(bsr_sm90_wgmma) above, so the batch sizes below cover both; the streaming kernel's own tests
-(1 and 4 rows of x per CTA) are in test_gpu_bsr_small_batch.py."""
+dispatch runs the streaming kernel (bsr_sm90) for M = 1, the mma kernel (bsr_mma_sm90) for
+M = 2..16 and the wgmma kernel (bsr_sm90_wgmma) above, so the batch sizes below cover all
+three; the small-batch kernels' own tests are in test_gpu_bsr_small_batch.py."""
 import pytest
 import torch
 import torch.nn as nn
@@ -205,14 +205,15 @@ def test_nan_and_inf_propagate_like_dense(dtype):
     assert torch.equal(skipped[0], got[0]) and skipped[3].isnan().sum() < got[3].isnan().sum()
 
 
+@pytest.mark.parametrize("rows", [5000, 12])
 @pytest.mark.parametrize("cover", [True, False], ids=["covered", "listed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_guard_reads_unmet_columns_and_is_lowered_after_every_call(dtype, cover):
-    """5000 rows of x (more than the pass's warps: each takes several) on a weight with a
-    block column no block row stores, covered by a block of zeros or listed in the guard (the
-    pass then reads it on every call): an infinity there and a NaN in a stored block column give
-    NaN as dense, eagerly and on graph replays; the next call with finite x is clean; the guard
-    is lowered after each."""
+def test_guard_reads_unmet_columns_and_is_lowered_after_every_call(dtype, cover, rows):
+    """5000 rows of x (the wgmma kernel; more than the pass's warps: each takes several) or 12
+    (the mma kernel) on a weight with a block column no block row stores, covered by a block of
+    zeros or listed in the guard (the pass then reads it on every call): an infinity there and a
+    NaN in a stored block column give NaN as dense, eagerly and on graph replays; the next call
+    with finite x is clean; the guard is lowered after each."""
     h, w = 32, 32
     dense = weight((h, w), 6, 8, 0.5, dtype, seed=15)
     dense[:, 2 * w:3 * w] = 0
@@ -220,13 +221,13 @@ def test_guard_reads_unmet_columns_and_is_lowered_after_every_call(dtype, cover)
     listed = set(groups_of(packed.guard).tolist())
     assert not listed if cover else set(range(2 * w // 8, 3 * w // 8)) <= listed
     gen = torch.Generator().manual_seed(16)
-    x = torch.randn(5000, dense.shape[1], generator=gen).to(dtype).cuda()
+    x = torch.randn(rows, dense.shape[1], generator=gen).to(dtype).cuda()
     clean = run(packed, x, None, "none")
     assert rel_error(clean, reference(x, dense, None, "none")) <= TOLERANCE[dtype]
-    suspect = [17, 4999]
+    suspect = [min(17, rows // 2), rows - 1]
     bad = x.clone()
-    bad[17, 2 * w + 3] = float("inf")                  # the unmet block column: NaN in every output
-    bad[4999, 5] = float("nan")                         # a stored column: the product raises the guard
+    bad[suspect[0], 2 * w + 3] = float("inf")          # the unmet block column: NaN in every output
+    bad[suspect[1], 5] = float("nan")                   # a stored column: the product raises the guard
     graph = torch.cuda.CUDAGraph()
     static_x = x.clone()
     with torch.cuda.graph(graph):
@@ -239,9 +240,9 @@ def test_guard_reads_unmet_columns_and_is_lowered_after_every_call(dtype, cover)
         torch.cuda.synchronize()
         assert torch.equal(captured.isnan(), got.isnan()) and torch.equal(captured.nan_to_num(), got.nan_to_num())
         if given is bad:
-            assert got[17].isnan().all() and got[4999].isnan().any()
+            assert got[suspect[0]].isnan().all() and got[suspect[1]].isnan().any()
             assert_same_nonfinite(got[suspect], ieee_reference(bad[suspect], dense, None, "none").to(dtype), dtype)
-            rest = torch.ones(5000, dtype=torch.bool)
+            rest = torch.ones(rows, dtype=torch.bool)
             rest[suspect] = False
             assert torch.equal(got[rest], clean[rest])
         else:

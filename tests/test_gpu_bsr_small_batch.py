@@ -1,9 +1,10 @@
-"""The streaming (small-batch) BSR kernel, templates/bsr_sm90.cu.j2, on its own on the GPU
-(skipped without a Hopper GPU and nvcc): every block shape, 1 and 4 rows of x per CTA, batch
-sizes that leave partial tiles, an empty block row, poisoned outputs, every activation, fully
-empty and fully dense weights, NaN/Inf like dense (and skipped when unchecked), CUDA graphs.
-Apart from test_gpu_bsr.py so that a GPU session can run them without building the wgmma
-kernels (conftest builds the selected modules' KERNELS)."""
+"""The small-batch BSR kernels on their own on the GPU (skipped without a Hopper GPU and nvcc):
+the streaming one (templates/bsr_sm90.cu.j2, CUDA cores, 1 and 4 rows of x per CTA) and the
+mma one (templates/bsr_mma_sm90.cu.j2, tensor cores, 16 rows of x per CTA). Every block shape,
+batch sizes that leave partial tiles, an empty block row, poisoned outputs, every activation,
+fully empty and fully dense weights, NaN/Inf like dense (and skipped when unchecked), CUDA
+graphs. Apart from test_gpu_bsr.py so that a GPU session can run them without building the
+wgmma kernels (conftest builds the selected modules' KERNELS)."""
 import pytest
 import torch
 
@@ -17,10 +18,11 @@ from test_bad_input import assert_same_nonfinite, ieee_reference
 from test_gpu_bsr import BLOCKS, DTYPES, dtype_name, pytestmark, run, run_poisoned, weight  # noqa: F401
 from test_gpu_kernels import reference
 
-STREAM_TILES = (1, 4)
-#: the kernel of every block, dtype and tile of rows of x the tests below run
-SPECS = {(block, dtype, tile_m): KernelSpec(Family.BSR_SM90, dtype_name(dtype), tile=(*block, tile_m))
-         for block in BLOCKS for dtype in DTYPES for tile_m in STREAM_TILES}
+#: the small-batch kernels: (family, rows of x per CTA)
+SMALL_BATCH = [(Family.BSR_SM90, 1), (Family.BSR_SM90, 4), (Family.BSR_MMA_SM90, 16)]
+#: the kernel of every block, dtype and small-batch kernel the tests below run
+SPECS = {(block, dtype, kind): KernelSpec(kind[0], dtype_name(dtype), tile=(*block, kind[1]))
+         for block in BLOCKS for dtype in DTYPES for kind in SMALL_BATCH}
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = list(SPECS.values())
 
@@ -38,31 +40,38 @@ def on_stream_kernel(w, block, spec, flags=0):
     return packed
 
 
-@pytest.mark.parametrize("tile_m", STREAM_TILES)
+def kind_id(kind):
+    return f"{kind[0].value}-m{kind[1]}"
+
+
+@pytest.mark.parametrize("kind", SMALL_BATCH, ids=kind_id)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-def test_small_batch_kernel_matches_fp64(block, dtype, tile_m, stream_kernels):
-    """The streaming kernel (bsr_sm90) on its own, 1 and 4 rows of x per CTA, over batch sizes
-    that leave partial tiles, on a weight with an empty block row, into a poisoned y; its
-    splitting of block rows across warps is exercised by a tall weight (few slices: split)."""
+def test_small_batch_kernel_matches_fp64(block, dtype, kind, stream_kernels):
+    """Each small-batch kernel on its own, over batch sizes that leave partial tiles (and, for
+    the mma kernel, partial tiles of 8 rows and a second CTA row), on a weight with an empty
+    block row, into a poisoned y; the splitting of block rows across warps is exercised by a
+    tall weight (few slices or strips: split)."""
     gen = torch.Generator().manual_seed(20)
     for n_blocks, k_blocks in ((5, 7), (2, 40)):
         w = weight(block, n_blocks, k_blocks, 0.4, dtype, seed=21 + k_blocks)
-        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, tile_m)])
+        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, kind)])
         bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
-        for m in (1, 3, 4, 9):
+        for m in (1, 3, 4, 9, 16, 21):
             x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
             error = rel_error(run_poisoned(packed, x, bias, "relu", m), reference(x, w, bias, "relu"))
             assert error <= TOLERANCE[dtype], (n_blocks, k_blocks, m, error)
 
 
+@pytest.mark.parametrize("kind", [SMALL_BATCH[0], SMALL_BATCH[2]], ids=kind_id)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, stream_kernels):
-    """The streaming kernel: every activation with and without bias; a fully empty and a fully
-    dense weight; NaN/Inf of x like dense (checked output by output against IEEE products, and
-    skipped when the site is unchecked); CUDA-graph replay."""
+def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, kind, stream_kernels):
+    """The streaming and the mma kernel: every activation with and without bias; a fully empty
+    and a fully dense weight; NaN/Inf of x like dense (checked output by output against IEEE
+    products, fused in the streaming kernel, through the guard and the pass in the mma one,
+    and skipped when the site is unchecked); CUDA-graph replay."""
     block = (32, 32)
-    spec = stream_kernels[(block, dtype, 1)]
+    spec = stream_kernels[(block, dtype, kind)]
     gen = torch.Generator().manual_seed(30)
     w = weight(block, 6, 8, 0.4, dtype, seed=31)
     packed = on_stream_kernel(w, block, spec)

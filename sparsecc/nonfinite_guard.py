@@ -13,16 +13,18 @@ costs as much as a large-batch sparse product itself, so the pass reads it only 
   weight that is zero in every row) changes no sum: the guard lists those inputs, in groups of
   :data:`GROUP`, and the pass tests them on every call. :func:`cover_block_columns` stores a
   block of zeros in each such column instead, so that there is nothing to list (the default
-  where the wgmma kernel runs the site).
+  where the wgmma or the small-batch mma kernel runs the site).
 
 With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
 a few int32 words kept after a site's metadata (templates/common.j2, ``guard_helpers``):
-``[flag, finished CTAs of the pass, group count, group...]``; after a raised flag the pass's
-last CTA lowers it for the next call. A site's guard belongs to its packed weight, so one
+``[flag, finished CTAs, group count, group...]``; after a raised flag the pass's last CTA
+lowers it for the next call. The small-batch mma BSR kernel launches no pass: its CTAs count
+themselves in the second word and the last one runs the pass's rows itself. A site's guard belongs to its packed weight, so one
 packed weight must not run on two CUDA streams at the same time (as with any buffer a kernel
 writes).
 
-The BSR kernels raise the flag from their own epilogue. The cooperative 2:4 GEMMs raise it from
+The BSR kernels raise the flag from their own epilogue (the streaming one tests x itself and
+uses no guard). The cooperative 2:4 GEMMs raise it from
 a node of CUTLASS's epilogue visitor tree (``NonfiniteProbe`` in
 templates/gemm_sm90_sparse24.cu.j2); the pingpong ones, whose epilogue the probe slowed, keep
 a pass that reads all of ``x``. The 2:4 metadata is CUTLASS's, so the guard sits after it at

@@ -93,16 +93,16 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
 
-    def sparsecc(table):
+    def on_kernels(table):
         return lambda values, metadata: gpu.linear_kernel(x, values, metadata, n, k, bias, "relu", False, False, table)
     impls = {
         "cublas": (lambda w: torch.relu(F.linear(x, w, bias)), (w,)),
-        "sparsecc-bsr": (sparsecc(packed.kernels), (packed.values, packed.metadata)),
-        "sparsecc-bsr-unchecked": (sparsecc(unchecked), (packed.values, packed.metadata)),
+        "sparsecc-bsr": (on_kernels(packed.kernels), (packed.values, packed.metadata)),
+        "sparsecc-bsr-unchecked": (on_kernels(unchecked), (packed.values, packed.metadata)),
     }
     if 1 < m <= 16:
         wgmma = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
-        impls["sparsecc-bsr-wgmma"] = (sparsecc(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),
+        impls["sparsecc-bsr-wgmma"] = (on_kernels(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),
                                        (packed.values, packed.metadata))
     if triton:
         from torch.sparse._triton_ops import bsr_dense_mm

@@ -144,6 +144,7 @@ class BsrKernelWeight(KernelWeight):
         if reason:
             raise InputError(reason)
         packed = cls.pack(weight, tuple(block), cover_columns=cover_columns)
+        runtime.finish_packing(weight.device)   # the small-batch mma kernel reads it before it waits
         table = dispatch(weight.dtype, tuple(block), packed.chunks_per_row)
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         packed.kernels = dispatch_string(table, nonfinite_flags())

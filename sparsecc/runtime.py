@@ -33,7 +33,7 @@ class KernelRunError(SparseccError):
 
 def finish_packing(device) -> None:
     """Wait until the kernels that packed a weight on ``device`` have finished. The small-batch
-    2:4 kernels are programmatic dependent launches that read their weight before they
+    2:4 kernels and the small-batch mma BSR kernel are programmatic dependent launches that read their weight before they
     wait for the kernel ahead of them (templates/common.j2, dependent_launch): a packed weight
     must be finished, not only ordered, before its first call. Packing while a CUDA graph is
     being captured is refused (the graph would pack on every replay)."""

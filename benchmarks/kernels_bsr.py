@@ -9,7 +9,9 @@
 - ``sparsecc-bsr-nonfinite-pass``: the part of ``sparsecc-bsr`` that makes NaN and Inf of x
   propagate as in dense, timed alone;
 - ``sparsecc-bsr-wgmma``: at 2 to 16 rows of x (where the dispatch runs the small-batch mma
-  kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison.
+  kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison;
+- ``sparsecc-bsr-streaming``: at one row of x, the streaming CUDA-core kernel that ran there
+  before the mma kernel, for comparison.
 
 Weights have exactly ``density`` of their blocks stored (random positions, random values). At
 M <= 64 every call reads its own copy of its weight (common.rotating; torch's Triton kernel
@@ -33,8 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import environment, plot_per_dtype, rel_err, rotating, time_eager_us, time_graph_us, write  # noqa: E402
 
-from sparsecc import gpu  # noqa: E402
-from sparsecc.bsr_kernel import BsrKernelWeight, dispatch  # noqa: E402
+from sparsecc import gpu, runtime  # noqa: E402
+from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
 
@@ -75,7 +77,7 @@ def main(argv=None) -> dict:
                 for density in args.densities:
                     w = block_weight(n, k, block, density, dtype, gen)
                     packed = BsrKernelWeight.from_dense(w, (block, block))
-                    unchecked = gpu.dispatch_string(dispatch(dtype, (block, block)), UNCHECKED_NONFINITE)
+                    unchecked = gpu.dispatch_string(packed.launches(), UNCHECKED_NONFINITE)
                     w_bsr = w.to_sparse_bsr((block, block))
                     for m in args.ms:
                         result["rows"] += measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name,
@@ -104,6 +106,11 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
         wgmma = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
         impls["sparsecc-bsr-wgmma"] = (on_kernels(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),
                                        (packed.values, packed.metadata))
+    if m == 1:
+        streaming = gpu.Launch(KernelSpec(Family.BSR_SM90, name, tile=(block, block, 1)))
+        runtime.ensure([streaming.spec], progress=False)       # (no longer in the weight's dispatch table)
+        impls["sparsecc-bsr-streaming"] = (on_kernels(gpu.dispatch_string([(0, streaming)], gpu.nonfinite_flags())),
+                                           (packed.values, packed.metadata))
     if triton:
         from torch.sparse._triton_ops import bsr_dense_mm
         impls["torch-bsr-triton"] = (lambda: torch.relu(bsr_dense_mm(w_bsr, x.t()).t() + bias), ())   # one copy

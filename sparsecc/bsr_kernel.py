@@ -1,8 +1,8 @@
 """Block-sparse (BSR) weights on sparsecc's tensor-core kernels (templates/bsr_sm90*.cu.j2).
 
 The kernels loop over the stored blocks only: the wgmma kernel one block row of W against a
-tile of x's rows per CTA, the small-batch kernels a few weight rows per warp (the streaming
-one on CUDA cores for one row of x, the mma one on tensor cores for up to 16). The
+tile of x's rows per CTA, the small-batch mma kernel 16 weight rows per warp on tensor cores
+for up to 16 rows of x (the streaming kernel, on CUDA cores, once took one row). The
 packed layout is the portable BSR one with the block rows ordered for balance:
 
 - ``values``: ``[blocks, h, w]``, each stored block row-major, block row after block row and
@@ -34,13 +34,13 @@ from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
 from .nonfinite_guard import cover_block_columns, guard_words
 
 #: the kernel for each M bucket of :data:`sparsecc.gpu.M_BUCKETS` (bound -> family, rows of x
-#: per CTA): the streaming kernel (CUDA cores, memory-bound) for one row, the small-batch
-#: tensor-core kernel (mma.sync, memory-bound) up to 16 rows, the wgmma kernel above, 64 rows
-#: per CTA up to 128 and 128 rows beyond. At 90% block sparsity on the 11008/4096 shapes: the
-#: streaming kernel 3.7-5.0x cuBLAS at M=1 (H100), 1.0-1.5x at 16 rows; the mma kernel
-#: 2.3-3.2x at 16 rows where the wgmma kernel ran 1.6-2.4x (H200,
-#: benchmarks/results/kernels_bsr_small-*-2026-11-26)
-DEFAULT_KERNEL = {1: (Family.BSR_SM90, 1), 16: (Family.BSR_MMA_SM90, 16), 128: (Family.BSR_SM90_WGMMA, 64),
+#: per CTA): the small-batch tensor-core kernel (mma.sync, memory-bound) up to 16 rows, one
+#: row included, the wgmma kernel above, 64 rows per CTA up to 128 and 128 rows beyond. At 90%
+#: block sparsity (64x64 blocks, fp16, H100, benchmarks/results/kernels_bsr_small-*-2026-11-26)
+#: the mma kernel at M = 1 is faster than the streaming CUDA-core kernel (templates/bsr_sm90.cu.j2)
+#: that ran one row before on all six shapes of the 2:4 issue (11008x4096 7.0 against 9.3 us,
+#: 4096x11008 7.2 against 7.7, 768x3072 4.0 against 4.6)
+DEFAULT_KERNEL = {1: (Family.BSR_MMA_SM90, 16), 16: (Family.BSR_MMA_SM90, 16), 128: (Family.BSR_SM90_WGMMA, 64),
                   2048: (Family.BSR_SM90_WGMMA, 128), 0: (Family.BSR_SM90_WGMMA, 128)}
 
 
@@ -62,18 +62,24 @@ def block_supported(block: tuple[int, int], dtype: torch.dtype) -> str | None:
 SHORT_ROW_CHUNKS = 3.0
 
 
-def dispatch(dtype: torch.dtype, block: tuple[int, int], chunks_per_row: float | None = None) -> list[tuple[int, Launch]]:
+def dispatch(dtype: torch.dtype, block: tuple[int, int], chunks_per_row: float | None = None,
+             longest_row: int | None = None) -> list[tuple[int, Launch]]:
     """The BSR launch per M bucket for a weight with this block; ``chunks_per_row``: the packed
-    weight's pipeline chunks per block row on average (None: not known, one tile per CTA)."""
+    weight's pipeline chunks per block row on average (None: not known, one tile per CTA);
+    ``longest_row``: the stored blocks of its longest block row (None: not known)."""
     name = str(dtype).replace("torch.", "")
     specs = [(bound, KernelSpec(DEFAULT_KERNEL[bound][0], name, tile=(*block, DEFAULT_KERNEL[bound][1])))
              for bound, _ in M_BUCKETS]
-    return [(bound, Launch(spec, splits=tiles_per_cta(spec, chunks_per_row))) for bound, spec in specs]
+    return [(bound, Launch(spec, splits=launch_splits(spec, chunks_per_row, longest_row))) for bound, spec in specs]
 
 
-def tiles_per_cta(spec: KernelSpec, chunks_per_row: float | None) -> int:
-    """The tiles of x each CTA of ``spec`` takes (the launch's ``splits``) for a weight with this
-    many pipeline chunks per block row: two for short rows on the wgmma kernel below 256 rows."""
+def launch_splits(spec: KernelSpec, chunks_per_row: float | None, longest_row: int | None = None) -> int:
+    """The launch's ``splits`` for a weight with this many pipeline chunks per block row and this
+    longest block row: for the wgmma kernel the tiles of x each CTA takes (two for short rows
+    below 256 rows of x); for the small-batch mma kernel the longest row's stored blocks, from
+    which it picks its blocks per lane in flight (templates/bsr_mma_sm90.cu.j2); else 1."""
+    if spec.family is Family.BSR_MMA_SM90:
+        return max(1, longest_row or 1)
     short = chunks_per_row is not None and chunks_per_row <= SHORT_ROW_CHUNKS
     return 2 if short and spec.family is Family.BSR_SM90_WGMMA and spec.tile[2] < 256 else 1
 
@@ -102,6 +108,16 @@ class BsrKernelWeight(KernelWeight):
         """The wgmma kernel's pipeline chunks (64 columns, or the block's width if narrower) per
         block row, on average over the block rows."""
         return self.values.shape[0] * max(1, self.block[1] // 64) / max(1, self.block_rows)
+
+    @property
+    def longest_row(self) -> int:
+        """The stored blocks of the longest block row (a host synchronisation)."""
+        lengths = self.row_ptr[1:] - self.row_ptr[:-1]
+        return int(lengths.max()) if lengths.numel() else 0
+
+    def launches(self) -> list[tuple[int, Launch]]:
+        """:func:`dispatch` for this weight (its dtype, block and row lengths)."""
+        return dispatch(self.values.dtype, tuple(self.block), self.chunks_per_row, self.longest_row)
 
     @property
     def row_ptr(self) -> torch.Tensor:
@@ -145,7 +161,7 @@ class BsrKernelWeight(KernelWeight):
             raise InputError(reason)
         packed = cls.pack(weight, tuple(block), cover_columns=cover_columns)
         runtime.finish_packing(weight.device)   # the small-batch mma kernel reads it before it waits
-        table = dispatch(weight.dtype, tuple(block), packed.chunks_per_row)
+        table = packed.launches()
         runtime.ensure([launch.spec for _, launch in table], progress=progress)
         packed.kernels = dispatch_string(table, nonfinite_flags())
         return packed

@@ -163,31 +163,46 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 #: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
 #: kCtasPerSm: three or two for the largest tiles), the CSR kernel two
 RESIDENT_CTAS = {"bsr-kernel": 4, "csr-kernel": 2}
-#: warps resident per SM of the streaming BSR kernel (64 registers a thread) and of the
-#: small-batch mma one (about 110: two CTAs of 8 warps), and the warps each lets share a block
-#: row at most (templates/bsr_sm90.cu.j2, bsr_mma_sm90.cu.j2: kMaxSplit)
+#: warps resident per SM of the streaming BSR kernel (64 registers a thread), and the warps each
+#: lets share a block row at most (templates/bsr_sm90.cu.j2: kMaxSplit)
 STREAM_WARPS_PER_SM, STREAM_MAX_SPLIT = 32, 4
-MMA_WARPS_PER_SM, MMA_MAX_SPLIT = 16, 8
+#: the small-batch mma BSR kernel (templates/bsr_mma_sm90.cu.j2): its warps resident per SM with
+#: one block per lane in flight (64 registers a thread: four CTAs of 8 warps) and with two (about
+#: 120: two CTAs), and its kMaxSplit
+MMA_WARPS_PER_SM, MMA_WARPS_PER_SM_TWO_BLOCKS, MMA_MAX_SPLIT = 32, 16, 8
+
+
+def _split(slices: float, max_split: int, slots: float) -> int:
+    """The small-batch BSR kernels' split of a block row: doubled while the warps fit one wave."""
+    split = 1
+    while split < max_split and slices * split * 2 <= slots:
+        split *= 2
+    return split
 
 
 def _stream_steps(w: Workload, sms: int) -> float:
     """The small-batch BSR kernels' rounds of loads one after another on the busiest warp slot:
     a warp's rounds (its share of a block row's blocks, its loads in flight per round) times
     the waves of warps, with the kernel's split of block rows across warps. The streaming kernel
-    (1-4 rows of x per CTA) gives a warp 256 / w weight rows and 4 or 2 blocks per round, the
-    mma kernel (16 rows of x) 16 weight rows and 128 / w blocks."""
+    (1-4 rows of x per CTA) gives a warp 256 / w weight rows and 4 or 2 blocks per round; the
+    mma kernel (16 rows of x) 16 weight rows and 64 / w blocks, or 128 / w where that takes
+    fewer rounds (as its launch picks, from the longest block row: here the average one)."""
     h, bw = w.block or (32, 32)
     tile_m = (w.tile or (h, 1))[1]
     density = w.block_density if w.block_density is not None else w.density
-    if w.impl == "bsr-kernel-mma":     # splits while the warps fit one wave of its slots
-        slices, max_split, split_slots, slots, loads = w.n / 16, MMA_MAX_SPLIT, MMA_WARPS_PER_SM, MMA_WARPS_PER_SM, 128 / bw
+    blocks = density * w.k / bw                                   # stored blocks of a block row
+    if w.impl == "bsr-kernel-mma":
+        options = [(MMA_WARPS_PER_SM, max(1.0, 64 / bw)), (MMA_WARPS_PER_SM_TWO_BLOCKS, max(1.0, 128 / bw))]
+        (slots, loads, split), (slots_two, loads_two, split_two) = [
+            (warps, loads, _split(w.n / 16, MMA_MAX_SPLIT, sms * warps)) for warps, loads in options]
+        if math.ceil(blocks / (split_two * loads_two)) < math.ceil(blocks / (split * loads)):
+            slots, loads, split = slots_two, loads_two, split_two
+        slices = w.n / 16
     else:                              # splits while they fit the SM's 64 warp slots
-        slices, max_split, split_slots, slots = w.n * bw / 256, STREAM_MAX_SPLIT, 64, STREAM_WARPS_PER_SM
+        slices, slots = w.n * bw / 256, STREAM_WARPS_PER_SM
         loads = 4 if tile_m == 1 else 2
-    split = 1
-    while split < max_split and slices * split * 2 <= sms * split_slots:
-        split *= 2
-    rounds = max(1.0, math.ceil(density * w.k / bw / (split * loads)))
+        split = _split(slices, STREAM_MAX_SPLIT, sms * 64)
+    rounds = max(1.0, math.ceil(blocks / (split * loads)))
     warps = slices * split * math.ceil(w.m / tile_m)
     return rounds * max(1.0, warps / (sms * slots))
 

@@ -21,7 +21,8 @@ def pack_for_kernels(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, p
         return pack_24_for(weight, m, progress=progress)
     if spec.kind == "bsr" and spec.block is not None:
         # blocks of zeros cover the empty block columns where a kernel with the NaN pass runs the
-        # site (the pass then reads no part of x); the streaming kernel (M = 1) reads only stored bytes
+        # site (the pass then reads no part of x); the streaming kernel, which tests x itself,
+        # would read only stored bytes (no M runs it now: sparsecc.bsr_kernel.DEFAULT_KERNEL)
         covered = m is None or kernel_for_rows(m)[0] is not Family.BSR_SM90
         return BsrKernelWeight.from_dense(weight, spec.block, cover_columns=covered, progress=progress)
     if spec.kind == "csr":

@@ -18,8 +18,9 @@ costs as much as a large-batch sparse product itself, so the pass reads it only 
 With finite ``x`` the pass then reads only the listed groups and writes nothing. The guard is
 a few int32 words kept after a site's metadata (templates/common.j2, ``guard_helpers``):
 ``[flag, finished CTAs, group count, group...]``; after a raised flag the pass's last CTA
-lowers it for the next call. The small-batch mma BSR kernel launches no pass: its CTAs count
-themselves in the second word and the last one runs the pass's rows itself. A site's guard belongs to its packed weight, so one
+lowers it for the next call. The small-batch mma BSR kernel launches no pass and leaves the flag
+alone: its CTAs count themselves in the second word (a CTA with a sum that is not finite sets
+that word's top bit first) and the last one runs the pass's rows itself. A site's guard belongs to its packed weight, so one
 packed weight must not run on two CUDA streams at the same time (as with any buffer a kernel
 writes).
 

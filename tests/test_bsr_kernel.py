@@ -78,6 +78,22 @@ def test_short_block_rows_get_two_tiles_of_x_per_cta(gen):
     assert wide.chunks_per_row == wide.values.shape[0] * 2 / 2      # a 128-wide block is two chunks
 
 
+def test_small_batch_launches_carry_the_longest_block_row(gen):
+    """The mma kernel's launches carry the packed weight's longest block row in ``splits`` (the
+    kernel picks its blocks per lane in flight from it), 1 where it is not known or empty."""
+    w = block_sparse(512, 1024, (64, 64), 0.3, gen, torch.float16)
+    packed = BsrKernelWeight.pack(w, (64, 64))
+    lengths = (w.reshape(8, 64, 16, 64) != 0).any(dim=3).any(dim=1).sum(dim=1)
+    assert packed.longest_row == int(lengths.max()) > 1
+    for table, expected in ((packed.launches(), packed.longest_row), (dispatch(torch.float16, (64, 64)), 1)):
+        for _, launch in table:
+            if launch.spec.family is Family.BSR_MMA_SM90:
+                assert launch.splits == expected, (launch, expected)
+    empty = BsrKernelWeight.pack(torch.zeros(128, 256, dtype=torch.float16), (64, 64), cover_columns=False)
+    assert empty.longest_row == 0
+    assert all(launch.splits == 1 for _, launch in empty.launches() if launch.spec.family is Family.BSR_MMA_SM90)
+
+
 def test_dispatch_has_a_kernel_per_bucket_for_every_block():
     for h in (16, 32, 64, 128):
         for w in (16, 32, 64, 128):

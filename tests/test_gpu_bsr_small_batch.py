@@ -34,10 +34,15 @@ def stream_kernels():
     return SPECS
 
 
-def on_stream_kernel(w, block, spec, flags=0):
+def on_stream_kernel(w, block, spec, flags=0, splits=1):
     packed = BsrKernelWeight.pack(w, block)
-    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec))], flags)
+    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec, splits=splits))], flags)
     return packed
+
+
+#: the mma kernel's launch `splits` (its longest block row's stored blocks, a hint): 1 keeps
+#: one block per lane in flight (2 KB a warp), a long row makes it take two (4 KB) where w < 128
+MMA_ROW_HINTS = (1, 10_000)
 
 
 def kind_id(kind):
@@ -51,16 +56,18 @@ def test_small_batch_kernel_matches_fp64(block, dtype, kind, stream_kernels):
     """Each small-batch kernel on its own, over batch sizes that leave partial tiles (and, for
     the mma kernel, partial tiles of 8 rows and a second CTA row), on a weight with an empty
     block row, into a poisoned y; the splitting of block rows across warps is exercised by a
-    tall weight (few slices or strips: split)."""
+    tall weight (few slices or strips: split). The mma kernel runs with one block per lane in
+    flight and with two (its launch's hint of a long block row)."""
     gen = torch.Generator().manual_seed(20)
-    for n_blocks, k_blocks in ((5, 7), (2, 40)):
+    hints = MMA_ROW_HINTS if kind[0] is Family.BSR_MMA_SM90 else (1,)
+    for (n_blocks, k_blocks), hint in [(shape, hint) for shape in ((5, 7), (2, 40)) for hint in hints]:
         w = weight(block, n_blocks, k_blocks, 0.4, dtype, seed=21 + k_blocks)
-        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, kind)])
+        packed = on_stream_kernel(w, block, stream_kernels[(block, dtype, kind)], splits=hint)
         bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
         for m in (1, 3, 4, 9, 16, 21):
             x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
             error = rel_error(run_poisoned(packed, x, bias, "relu", m), reference(x, w, bias, "relu"))
-            assert error <= TOLERANCE[dtype], (n_blocks, k_blocks, m, error)
+            assert error <= TOLERANCE[dtype], (n_blocks, k_blocks, hint, m, error)
 
 
 @pytest.mark.parametrize("kind", [SMALL_BATCH[0], SMALL_BATCH[2]], ids=kind_id)
@@ -94,6 +101,9 @@ def test_small_batch_kernel_epilogues_edges_nan_and_graphs(dtype, kind, stream_k
     for m in (1, 4):
         got = run(packed, bad[:m], bias, "relu")
         assert_same_nonfinite(got, ieee_reference(bad[:m], w, bias, "relu").to(dtype), dtype)
+    if kind[0] is Family.BSR_MMA_SM90:           # the guard again, with two blocks per lane in flight
+        long_rows = on_stream_kernel(w, block, spec, splits=MMA_ROW_HINTS[-1])
+        assert_same_nonfinite(run(long_rows, bad, bias, "relu"), ieee_reference(bad, w, bias, "relu").to(dtype), dtype)
     unchecked = on_stream_kernel(w, block, spec, UNCHECKED_NONFINITE)
     checked, skipped = run(packed, bad, bias, "relu"), run(unchecked, bad, bias, "relu")
     assert torch.equal(skipped[1], checked[1]) and skipped[0].isnan().sum() < checked[0].isnan().sum()

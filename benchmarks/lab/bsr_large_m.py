@@ -25,7 +25,7 @@ from common import rel_err, time_graph_us  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
-from sparsecc.bsr_kernel import BsrKernelWeight, tiles_per_cta  # noqa: E402
+from sparsecc.bsr_kernel import BsrKernelWeight, launch_splits  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
@@ -50,7 +50,7 @@ def table(kernel_spec, packed, splits):
     """A one-launch dispatch table (NaN/Inf pass off); splits "auto": as sparsecc.bsr_kernel.dispatch
     chooses for this weight (two tiles of x per CTA for short block rows)."""
     if splits == "auto":
-        splits = tiles_per_cta(kernel_spec, packed.chunks_per_row)
+        splits = launch_splits(kernel_spec, packed.chunks_per_row)
     return gpu.dispatch_string([(0, gpu.Launch(kernel_spec, splits=int(splits)))], UNCHECKED_NONFINITE)
 
 
@@ -79,7 +79,7 @@ def point(n, k, density, specs, gen, m=M, previous=None, activation="relu", spli
             x, values, meta, n, k, bias, activation, False, False, text))
     y = torch.empty(m, n, dtype=x.dtype, device="cuda")
     for t, kernel in (previous or {}).items():
-        tiles = tiles_per_cta(spec(t), packed.chunks_per_row) if splits == "auto" else int(splits)
+        tiles = launch_splits(spec(t), packed.chunks_per_row) if splits == "auto" else int(splits)
 
         def run(kernel=kernel, tiles=tiles):       # (a build from before two-tile CTAs ignores splits)
             kernel.gemm(values.data_ptr(), meta.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,

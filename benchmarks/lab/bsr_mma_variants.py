@@ -1,23 +1,29 @@
 """Variants of the small-batch mma BSR kernel (templates/bsr_mma_sm90.cu.j2) side by side in one
-process (issue: small-batch path): the template rendered for 64x64 blocks, fp16, its named
-constants changed by text (``kLoads``: blocks per lane in flight; ``kMinSplit``: warps per
-strip at least, 8 = one strip per CTA; ``kSlotShare``: the grid takes at most this share of the
-warp slots; ``kLetNextInAtStart``: the dependent launch lets the next kernel in before the wait;
-``kWarps``; ``kOneWordGuard``: a CTA raises the guard and counts itself in one atomic), each built with the runtime's nvcc flags and loaded beside the others.
+process (issue: small-batch path): the template rendered for 64x64 blocks, fp16, with named
+constants of its source (``constexpr <type> kName = value;``) changed by text, each variant
+built with the runtime's nvcc flags and loaded beside the others, the template as it is
+(``as-is``) among them.
 
 At 90% block sparsity on the 2:4 issue's six shapes and M = 1, 4 and 16 it times, under CUDA-graph
 replay with every call on its own copy of the weight (common.rotating): cuBLAS ``F.linear`` +
 ReLU, the dispatched kernel (``dispatch``, checked and unchecked) and every variant checked and
-unchecked; each variant's output is checked against fp32 first (relative error in the row).
-Writes bsr_mma_variants.json to $OUT.
+unchecked (each with the launch the dispatch gives the weight); each variant's output is checked
+against fp32 first (relative error in the row). Writes bsr_mma_variants.json to $OUT, the
+variants' changes under "variants".
 
-    OUT=/tmp python benchmarks/lab/bsr_mma_variants.py [--shapes NxK ...] [--ms M ...] [--variants NAME ...]
+The first run (bsr_mma_variants-*-2026-11-26.json: blocks per lane in flight, warps per strip,
+share of the warp slots, when the next kernel is let in, the guard's raise and count in one
+atomic) was of the template at commit 028ac8c, whose constants kLoads, kMinSplit, kSlotShare,
+kLetNextInAtStart and kOneWordGuard have since been settled and removed.
+
+    OUT=/tmp python benchmarks/lab/bsr_mma_variants.py --variant NAME:kConstant=value[,kOther=value] ...
+        [--shapes NxK ...] [--ms M ...]
 """
 import argparse
 import concurrent.futures
-import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,41 +37,30 @@ from common import environment, rel_err, rotating, time_graph_us  # noqa: E402
 from kernels_bsr import SHAPES, block_weight  # noqa: E402
 
 from sparsecc import build, codegen, gpu, runtime  # noqa: E402
-from sparsecc.bsr_kernel import BsrKernelWeight, dispatch  # noqa: E402
+from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
 BLOCK = 64
 DENSITY = 0.1
 SPEC = KernelSpec(Family.BSR_MMA_SM90, "float16", tile=(BLOCK, BLOCK, 16))
-DEFAULTS = {"kLoads": "128 / kBlockW", "kMinSplit": "1", "kSlotShare": "1", "kLetNextInAtStart": "false",
-            "kWarps": "8", "kOneWordGuard": "false"}
+CONSTANT = re.compile(r"constexpr\s+\w+\s+(k\w+)\s*=\s*([^;]+);")
 
 
-def variants() -> dict[str, dict[str, str]]:
-    """name -> the constants it changes."""
-    out = {}
-    for loads, share, start in itertools.product((1, 2, 4), (1, 2), ("false", "true")):
-        out[f"loads{loads}-share{share}-{'early' if start == 'true' else 'late'}"] = {
-            "kLoads": str(loads), "kSlotShare": str(share), "kLetNextInAtStart": start}
-    for loads, start in itertools.product((1, 2, 4), ("false", "true")):
-        out[f"strip-cta-loads{loads}-{'early' if start == 'true' else 'late'}"] = {
-            "kLoads": str(loads), "kMinSplit": "8", "kLetNextInAtStart": start}
-    for loads, start in itertools.product((1, 2), ("false", "true")):
-        out[f"strip-cta4-loads{loads}-{'early' if start == 'true' else 'late'}"] = {
-            "kLoads": str(loads), "kMinSplit": "4", "kWarps": "4", "kLetNextInAtStart": start}
-    for name in ("loads2-share1-late", "loads2-share2-early", "strip-cta-loads1-early", "strip-cta-loads2-early"):
-        out[name + "-oneword"] = {**out[name], "kOneWordGuard": "true"}
-    return out
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """"name:kA=1,kB=true" -> ("name", {"kA": "1", "kB": "true"})."""
+    name, _, changes = text.partition(":")
+    return name, dict(change.split("=", 1) for change in changes.split(",") if change)
 
 
 def source_of(changes: dict[str, str]) -> str:
     text = codegen.render(SPEC)
+    constants = {match.group(1): match for match in CONSTANT.finditer(text)}
     for name, value in changes.items():
-        old = f"constexpr {'bool' if DEFAULTS[name] in ('true', 'false') else 'int'} {name} = {DEFAULTS[name]};"
-        if old not in text:
-            raise SystemExit(f"the template no longer has {old!r}")
-        text = text.replace(old, old.replace(f"= {DEFAULTS[name]};", f"= {value};"))
+        if name not in constants:
+            raise SystemExit(f"the template has no constant {name} (it has {sorted(constants)})")
+        old = constants[name].group(0)
+        text = text.replace(old, old.replace(f"= {constants[name].group(2)};", f"= {value};"))
     return text
 
 
@@ -89,10 +84,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", default=None)
     parser.add_argument("--ms", nargs="*", type=int, default=[1, 4, 16])
-    parser.add_argument("--variants", nargs="*", default=None)
+    parser.add_argument("--variant", action="append", default=[], help="NAME:kConstant=value[,...]")
     args = parser.parse_args()
-    every = variants()
-    chosen = {name: every[name] for name in (args.variants or every)}
+    chosen = dict([("as-is", {})] + [parse_variant(text) for text in args.variant])
     kernels = build_all(chosen)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     result = environment("bsr_mma_variants")
@@ -103,7 +97,8 @@ def main():
         w = block_weight(n, k, BLOCK, DENSITY, torch.float16, gen)
         bias = torch.randn(n, generator=gen).half().cuda()
         packed = BsrKernelWeight.from_dense(w, (BLOCK, BLOCK))
-        table = dispatch(torch.float16, (BLOCK, BLOCK), packed.chunks_per_row)
+        table = packed.launches()
+        hint = next(launch.splits for _, launch in table if launch.spec.family is Family.BSR_MMA_SM90)
         for m in args.ms:
             x = torch.randn(m, k, generator=gen).half().cuda()
             y = torch.empty(m, n, dtype=torch.float16, device="cuda")
@@ -121,7 +116,7 @@ def main():
                 for code, suffix in ((relu, ""), (relu | UNCHECKED_NONFINITE, "-unchecked")):
                     def run(v, e, kernel=kernel, code=code):
                         kernel.gemm(v.data_ptr(), e.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
-                                    code, torch.cuda.current_stream().cuda_stream)
+                                    code, torch.cuda.current_stream().cuda_stream, splits=hint)
                         return y
                     call, _ = rotating(run, packed.values, packed.metadata)
                     y.fill_(float("nan"))

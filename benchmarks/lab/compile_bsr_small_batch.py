@@ -1,6 +1,6 @@
 """What ``sparsecc.compile`` does with block-sparse layers at small batches, end to end: a
 Llama-sized MLP block (4096 -> 11008 -> 4096, SiLU), pruned to 10% of its 64x64 blocks,
-compiled with the default formats for 4 and 16 rows of x. Prints each site's choice and
+compiled with the default formats for 1, 4 and 16 rows of x. Prints each site's choice and
 reason, and the compiled model's time against the dense model's (CUDA-graph replay; Python
 and torch.compile not involved), with the relative error against the dense eager model.
 
@@ -22,7 +22,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 11008), nn.SiLU(), nn.Linear(11008, 4096)).half().cuda().eval()
     sparsecc.prune(model, "block64x64@0.1")
-    for m in (4, 16):
+    for m in (1, 4, 16):
         x = torch.randn(m, 4096, dtype=torch.half, device="cuda")
         compiled = sparsecc.compile(model, x)
         for site in compiled.sparsecc_plan.sites:

@@ -38,8 +38,8 @@ from .nonfinite_guard import cover_block_columns, guard_words
 #: row included, the wgmma kernel above, 64 rows per CTA up to 128 and 128 rows beyond. At 90%
 #: block sparsity (64x64 blocks, fp16, H100, benchmarks/results/kernels_bsr_small-*-2026-11-26)
 #: the mma kernel at M = 1 is faster than the streaming CUDA-core kernel (templates/bsr_sm90.cu.j2)
-#: that ran one row before on all six shapes of the 2:4 issue (11008x4096 7.0 against 9.3 us,
-#: 4096x11008 7.2 against 7.7, 768x3072 4.0 against 4.6)
+#: that ran one row before on all six shapes of the 2:4 issue (11008x4096 6.8 against 9.3 us,
+#: 4096x11008 7.1 against 7.6, 768x3072 4.0 against 4.6)
 DEFAULT_KERNEL = {1: (Family.BSR_MMA_SM90, 16), 16: (Family.BSR_MMA_SM90, 16), 128: (Family.BSR_SM90_WGMMA, 64),
                   2048: (Family.BSR_SM90_WGMMA, 128), 0: (Family.BSR_SM90_WGMMA, 128)}
 

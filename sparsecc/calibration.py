@@ -185,8 +185,8 @@ def _stream_steps(w: Workload, sms: int) -> float:
     a warp's rounds (its share of a block row's blocks, its loads in flight per round) times
     the waves of warps, with the kernel's split of block rows across warps. The streaming kernel
     (1-4 rows of x per CTA) gives a warp 256 / w weight rows and 4 or 2 blocks per round; the
-    mma kernel (16 rows of x) 16 weight rows and 64 / w blocks, or 128 / w where that takes
-    fewer rounds (as its launch picks, from the longest block row: here the average one)."""
+    mma kernel (16 rows of x) 16 weight rows and 64 / w blocks, or 128 / w where that saves two
+    rounds or more (as its launch picks, from the longest block row: here the average one)."""
     h, bw = w.block or (32, 32)
     tile_m = (w.tile or (h, 1))[1]
     density = w.block_density if w.block_density is not None else w.density
@@ -195,7 +195,7 @@ def _stream_steps(w: Workload, sms: int) -> float:
         options = [(MMA_WARPS_PER_SM, max(1.0, 64 / bw)), (MMA_WARPS_PER_SM_TWO_BLOCKS, max(1.0, 128 / bw))]
         (slots, loads, split), (slots_two, loads_two, split_two) = [
             (warps, loads, _split(w.n / 16, MMA_MAX_SPLIT, sms * warps)) for warps, loads in options]
-        if math.ceil(blocks / (split_two * loads_two)) < math.ceil(blocks / (split * loads)):
+        if math.ceil(blocks / (split_two * loads_two)) + 2 <= math.ceil(blocks / (split * loads)):
             slots, loads, split = slots_two, loads_two, split_two
         slices = w.n / 16
     else:                              # splits while they fit the SM's 64 warp slots

@@ -1,10 +1,12 @@
 """What every benchmark shares: timing (CUDA events through triton's do_bench, median, as a
-CUDA-graph replay and as an eager call), the environment header and the results file."""
+CUDA-graph replay and as an eager call), the environment header and the results file (and the
+lab scripts' JSON, to $OUT)."""
 from __future__ import annotations
 
 import datetime
 import itertools
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -60,6 +62,15 @@ def write(result: dict, *, stem: str | None = None) -> Path:
     gpu = result["device"].replace(" ", "_").replace("/", "_")
     path = RESULTS / f"{stem or result['bench']}-{gpu}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def write_lab(data, name: str) -> Path:
+    """Write a lab script's ``data`` as JSON to $OUT/<name>.json (the folder the device machine
+    sends back; /tmp without $OUT) and return the path."""
+    path = Path(os.environ.get("OUT", "/tmp")) / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1))
+    print("wrote", path)
     return path
 
 

@@ -10,7 +10,6 @@ timed per call (the -graphs rows of e2e.py). Writes bert_unmasked.json to $OUT.
     OUT=/some/dir python benchmarks/lab/bert_unmasked.py [--graphs-only]
 """
 import collections
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, rel_err, time_eager_us  # noqa: E402
+from common import environment, rel_err, time_eager_us, write_lab  # noqa: E402
 from e2e import pruned_model, unmasked_attention  # noqa: E402
 from e2e_profile import profile  # noqa: E402
 
@@ -64,8 +63,7 @@ def main():
                    "rel_err": rel_err(out, reference)}
             result["rows"].append(row)
             print(row, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "bert_unmasked.json"), "w") as file:
-        json.dump(result, file, indent=1)
+    write_lab(result, "bert_unmasked")
 
 
 if __name__ == "__main__":

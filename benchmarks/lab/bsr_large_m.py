@@ -13,7 +13,6 @@ else.
         [--tiles T ...] [--activations A ...] [--previous DIR] [--ncu N K DENSITY TILE_M]
 """
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import rel_err, time_graph_us  # noqa: E402
+from common import rel_err, time_graph_us, write_lab  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
 from sparsecc import gpu, runtime  # noqa: E402
@@ -130,7 +129,7 @@ def main():
             print(n, k, density, activation, f"cublas {row['cublas']:.1f}", row["speedups"],
                   "GB/s", {name: row[name + "_gbs"] for name in calls},
                   "errors", {name: f"{row[name + '_err']:.1e}" for name in calls}, flush=True)
-    json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "bsr_large_m.json"), "w"), indent=1)
+    write_lab(rows, "bsr_large_m")
 
 
 if __name__ == "__main__":

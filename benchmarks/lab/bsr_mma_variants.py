@@ -21,7 +21,6 @@ kLetNextInAtStart and kOneWordGuard have since been settled and removed.
 """
 import argparse
 import concurrent.futures
-import json
 import os
 import re
 import subprocess
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from common import environment, rel_err, rotating, time_graph_us  # noqa: E402
+from common import environment, rel_err, rotating, time_graph_us, write_lab  # noqa: E402
 from kernels_bsr import SHAPES, block_weight  # noqa: E402
 
 from sparsecc import build, codegen, gpu, runtime  # noqa: E402
@@ -128,8 +127,7 @@ def main():
                   "best", [(name, round(us, 2), round(row["us"]["cublas"] / us, 2)) for us, name in best],
                   "max err", f"{max(row['rel_err'].values()):.1e}", flush=True)
             result["rows"].append(row)
-    out = Path(os.environ.get("OUT", "/tmp")) / "bsr_mma_variants.json"
-    out.write_text(json.dumps(result, indent=1))
+    write_lab(result, "bsr_mma_variants")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Writes e2e_profile.json to $OUT (default /tmp) and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -23,7 +22,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import environment  # noqa: E402
+from common import environment, write_lab  # noqa: E402
 from e2e import pruned_model  # noqa: E402
 
 from sparsecc.backend import make_backend  # noqa: E402
@@ -115,10 +114,7 @@ def main(argv=None) -> dict:
                     print(f"    host {entry['self_us']:9.1f} us  {entry['op'][:100]}")
         model = None
         torch.cuda.empty_cache()
-        path = os.path.join(os.environ.get("OUT", "/tmp"), "e2e_profile.json")
-        with open(path, "w") as file:          # after every model: a time limit loses nothing done
-            json.dump(result, file, indent=1)
-    print("wrote", path)
+        write_lab(result, "e2e_profile")      # after every model: a time limit loses nothing done
     return result
 
 

@@ -20,7 +20,6 @@ Writes launch_floor.json to $OUT (each row: what, shape, M, bytes, pdl, us).
     OUT=/tmp python benchmarks/lab/launch_floor.py
 """
 import ctypes
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from common import environment, rotating, time_graph_us  # noqa: E402
+from common import environment, rotating, time_graph_us, write_lab  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 DENSITY = 0.1
@@ -148,10 +147,7 @@ def main() -> None:
             us = time_graph_us(call, calls=copies)
             rows.append(dict(what="cublas", N=n, K=k, M=m, us=us, budget_6x_us=us / 6))
             print(rows[-1], flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "launch_floor.json")
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=1)
-    print("wrote", path)
+    write_lab(result, "launch_floor")
 
 
 if __name__ == "__main__":

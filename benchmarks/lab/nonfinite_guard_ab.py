@@ -12,7 +12,6 @@ them for the wgmma kernel); "current-listed" is the current kernel on the packin
         [--points 4096x1024x1024 ...] [--schedules]
 """
 import argparse
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import environment, rel_err, time_graph_us  # noqa: E402
+from common import environment, rel_err, time_graph_us, write_lab  # noqa: E402
 from kernels import SHAPES, shape, two_four  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
@@ -127,8 +126,7 @@ def main():
                 rows.append(measure(calls, ref, {"format": "bsr64", "N": n, "K": k, "M": m, "density": density,
                                                  "launch": launch.spec.symbol, "covering_blocks":
                                                  packed.values.shape[0] - listed.values.shape[0]}))
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "nonfinite_guard_ab.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_lab(result, "nonfinite_guard_ab")
 
 
 if __name__ == "__main__":

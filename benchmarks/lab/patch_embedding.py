@@ -6,7 +6,6 @@ $OUT (default /tmp).
 
     OUT=/some/dir python benchmarks/lab/patch_embedding.py
 """
-import json
 import os
 import sys
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import environment, rel_err, time_eager_us  # noqa: E402
+from common import environment, rel_err, time_eager_us, write_lab  # noqa: E402
 
 from sparsecc.models import load  # noqa: E402
 from sparsecc.passes.conv_as_linear import grid_of, patches  # noqa: E402
@@ -48,8 +47,7 @@ def main():
                 print(row, flush=True)
             torch._dynamo.reset()
     torch.backends.cudnn.benchmark = False
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "patch_embedding.json"), "w") as file:
-        json.dump(result, file, indent=1)
+    write_lab(result, "patch_embedding")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from common import environment, time_graph_us  # noqa: E402
+from common import environment, time_graph_us, write_lab  # noqa: E402
 from kernels import two_four  # noqa: E402
 
 from sparsecc import gpu  # noqa: E402
@@ -123,10 +123,7 @@ def main():
                 time.sleep(0.5)                      # the next phase starts from a cooler card
     finally:
         sampler.close()
-    out = os.path.join(os.environ.get("OUT", "/tmp"), "sparse24_gemm_bound.json")
-    with open(out, "w") as handle:
-        json.dump(result, handle, indent=1)
-    print("wrote", out)
+    write_lab(result, "sparse24_gemm_bound")
 
 
 if __name__ == "__main__":

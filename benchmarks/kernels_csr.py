@@ -4,7 +4,8 @@
 - ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` on the dense weight (the baseline),
 - ``torch-csr-cusparse``: ``torch.sparse.mm`` on the CSR weight (cuSPARSE SpMM, ``W @ x^T``)
   then the bias, ``relu`` and the transpose,
-- ``sparsecc-csr``: sparsecc's tiled CSR kernel, epilogue and transpose fused (its M dispatch table),
+- ``sparsecc-csr``: sparsecc's tiled CSR kernels, epilogue and transpose fused (its M dispatch table:
+  csr_sm90 up to 16 rows of x, csr_wgmma_sm90 beyond),
 - ``sparsecc-csr-split``: the weight split into a 2:4 part on sparsecc's 2:4 kernels and a
   residual pass (sparsecc.csr_split), packed for each M as compile packs a site planned for it;
   with ``--residual-modes`` also each mode of the residual pass forced
@@ -61,7 +62,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the 2:4 issue's six)")
     parser.add_argument("--no-cusparse", action="store_true", help="leave torch's cuSPARSE path out")
     parser.add_argument("--stem", default=None, help="results file name stem (default kernels_csr)")
-    parser.add_argument("--no-tiled", action="store_true", help="leave sparsecc's tiled CSR kernel out")
+    parser.add_argument("--no-tiled", action="store_true", help="leave sparsecc's tiled CSR kernels out")
+    parser.add_argument("--tiled-only", action="store_true",
+                        help="of sparsecc's kernels time only the tiled ones (no split, no CUDA-core kernel)")
     parser.add_argument("--residual-modes", action="store_true",
                         help="also time the split weight with each residual-pass mode forced")
     args = parser.parse_args(argv)
@@ -75,13 +78,15 @@ def main(argv=None) -> dict:
             for density in args.densities:
                 w = unstructured_weight(n, k, density, dtype, gen)
                 packed = None if args.no_tiled else CsrKernelWeight.from_dense(w, progress=True)
-                spmm = CsrSpmmWeight.from_dense(w, progress=True) if density <= SPMM_MAX_DENSITY else None
+                spmm = (CsrSpmmWeight.from_dense(w, progress=True)
+                        if density <= SPMM_MAX_DENSITY and not args.tiled_only else None)
                 w_csr = None if args.no_cusparse else w.to_sparse_csr()
                 for m in args.ms:
-                    split = CsrSplitWeight.from_dense(w, m, progress=True)
+                    split = None if args.tiled_only else CsrSplitWeight.from_dense(w, m, progress=True)
                     result["rows"] += measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen,
                                                     args.residual_modes)
                 del w_csr, packed, spmm
+            write(result, stem=args.stem)       # what a run cut short keeps
     path = write(result, stem=args.stem)
     plot(result, path.with_suffix(".png"))
     print_summary(result)
@@ -100,8 +105,8 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
     if spmm is not None:
         impls["sparsecc-csr-spmm"] = (lambda v, e: gpu.linear_kernel(x, v, e, n, k, bias, "relu", False, False,
                                                                      spmm.kernels), (spmm.values, spmm.metadata))
-    residuals = {"sparsecc-csr-split": split.residual}
-    if residual_modes and split.residual:
+    residuals = {"sparsecc-csr-split": split.residual} if split is not None else {}
+    if residual_modes and split is not None and split.residual:
         symbol = split.residual.rsplit(":", 1)[0]
         residuals.update({f"sparsecc-csr-split-{name}": f"{symbol}:{mode}"
                           for name, mode in (("gather", GATHER), ("staged", STAGED), ("transposed", TRANSPOSED))})

@@ -161,7 +161,8 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
 
 
 #: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
-#: kCtasPerSm: three or two for the largest tiles), the CSR kernel two
+#: kCtasPerSm: three or two for the largest tiles), the CSR kernels two
+#: (csr_kernel.resident_ctas: one for the wgmma kernel's 128-row tiles)
 RESIDENT_CTAS = {"bsr-kernel": 4, "csr-kernel": 2}
 #: warps resident per SM of the streaming BSR kernel (64 registers a thread), and the warps each
 #: lets share a block row at most (templates/bsr_sm90.cu.j2: kMaxSplit)
@@ -214,16 +215,16 @@ def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
         return _stream_steps(w, sms)
     if w.impl not in RESIDENT_CTAS:
         return 0.0
-    from .codegen import CSR_TILE_N, Family, KernelSpec
+    from .codegen import CSR_TILE_N
     if w.impl == "csr-kernel":
-        from .csr_kernel import TILE_K, expected_capacity, k_slices
+        from .csr_kernel import TILE_K, expected_capacity, k_slices, kernel_spec, resident_ctas
         tile_m = (w.tile or (CSR_TILE_N, 16))[1]
-        spec = KernelSpec(Family.CSR_SM90, "float16", tile=(CSR_TILE_N, tile_m, expected_capacity(w.density)))
+        spec = kernel_spec("float16", tile_m, expected_capacity(w.density))
         ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
         k_tiles = math.ceil(w.k / TILE_K)
         splits = k_slices(math.ceil(w.n / CSR_TILE_N) * CSR_TILE_N, w.m, w.k, spec, sms)
         per_cta = math.ceil(k_tiles / splits / spec.csr_step_tiles)
-        return per_cta * max(1.0, ctas * splits / (sms * RESIDENT_CTAS[w.impl]))
+        return per_cta * max(1.0, ctas * splits / (sms * resident_ctas(spec)))
     h, bw = w.block or (32, 32)
     tile_m = (w.tile or (h, 64))[1]
     density = w.block_density if w.block_density is not None else w.density

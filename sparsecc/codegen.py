@@ -35,6 +35,7 @@ class Family(str, enum.Enum):
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
     BSR_MMA_SM90 = "bsr_mma_sm90"
     CSR_SM90 = "csr_sm90"
+    CSR_WGMMA_SM90 = "csr_wgmma_sm90"
     RESIDUAL_SM90 = "residual_sm90"
     SPMM_SM90 = "spmm_sm90"
 
@@ -140,6 +141,9 @@ CSR_TILE_N = 64
 CSR_TILE_M = (16, 32, 64, 128)
 CSR_CAPACITIES = (256, 512, 1024, 2048, 4096)
 TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_CAPACITIES}
+#: rows of x per CTA of the wgmma CSR kernel: one consumer warpgroup of 64 rows, or two
+CSR_WGMMA_TILE_M = (64, 128)
+TILES[Family.CSR_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for c in CSR_CAPACITIES}
 #: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
 #: threads, K up to 12288 staged (192 KB of shared memory)
 TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
@@ -153,7 +157,8 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 
                 Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
                 Family.BSR_SM90: (64, 64, 1), Family.BSR_SM90_WGMMA: (64, 64, 128),
                 Family.BSR_MMA_SM90: (64, 64, 16),
-                Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.RESIDUAL_SM90: (8, 256, 12288),
+                Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
+                Family.RESIDUAL_SM90: (8, 256, 12288),
                 Family.SPMM_SM90: (8, 256, 12288)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
@@ -239,9 +244,12 @@ class KernelSpec:
 
     @property
     def csr_step_tiles(self) -> int:
-        """Weight tiles (along K) per pipeline stage of the CSR kernel: four for x tiles of up to 32
-        rows, two for 64, one for 128, halved while three stages do not fit (large tile capacities)."""
+        """Weight tiles (along K) per pipeline stage of the CSR kernels: for csr_sm90 four for x
+        tiles of up to 32 rows, two for 64, one for 128, halved while three stages do not fit
+        (large tile capacities); one for csr_wgmma_sm90."""
         _, tile_m, capacity = self.tile
+        if self.family is Family.CSR_WGMMA_SM90:
+            return 1
         tiles = {16: 4, 32: 4, 64: 2, 128: 1}[tile_m]
         while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles) < 3:
             tiles //= 2

@@ -1,8 +1,9 @@
-"""Unstructured sparse weights on sparsecc's tensor-core kernel (templates/csr_sm90.cu.j2).
+"""Unstructured sparse weights on sparsecc's tensor-core kernels (templates/csr_sm90.cu.j2 for
+up to 16 rows of x, templates/csr_wgmma_sm90.cu.j2 beyond).
 
-The kernel loads only the stored entries of W and multiplies dense tiles rebuilt from them
+The kernels load only the stored entries of W and multiply dense tiles rebuilt from them
 in shared memory ("load as sparse, compute as dense"): at small batch, where time is the
-weight's bytes, it reads 4 bytes per non-zero instead of 2 per element. The packed layout
+weight's bytes, they read 4 bytes per non-zero instead of 2 per element. The packed layout
 ("tiled CSR") cuts W into tiles of :data:`~sparsecc.codegen.CSR_TILE_N` rows by
 :data:`TILE_K` columns and stores each tile's non-zeros in row-major order:
 
@@ -14,8 +15,8 @@ weight's bytes, it reads 4 bytes per non-zero instead of 2 per element. The pack
   as uint16, two per word: where the kernel's shared-memory copy of the dense tile keeps
   it (:func:`slot`, the kernel's swizzle, computed here once instead of per entry per call).
 
-Packing is torch ops on any device and round-trips exactly. The kernel is compiled for a
-tile capacity (stored entries per tile, padded): the smallest of
+Packing is torch ops on any device and round-trips exactly; both kernels read the same
+packing. A kernel is compiled for a tile capacity (stored entries per tile, padded): the smallest of
 :data:`~sparsecc.codegen.CSR_CAPACITIES` that holds the weight's fullest tile, so sparse
 weights get the deepest pipelines.
 """
@@ -27,31 +28,33 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from .codegen import CSR_CAPACITIES, CSR_TILE_N, Family, KernelSpec
+from .codegen import CSR_CAPACITIES, CSR_TILE_N, CSR_WGMMA_TILE_M, Family, KernelSpec
 from .errors import InputError
 from .formats import CSR, INDEX_DTYPE
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
 
 TILE_K = 64
-#: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS`: a 16-row tile up to
-#: 16 rows (the memory-bound range, split over K), then 64 and 128
+#: rows of x per CTA for each M bucket of :data:`sparsecc.gpu.M_BUCKETS`: a 16-row tile of
+#: csr_sm90 (mma.sync) up to 16 rows (the memory-bound range, split over K), then csr_wgmma_sm90
+#: with one warpgroup of 64 rows, and two (128 rows) past 128 rows of x
 DEFAULT_TILE_M = {1: 16, 16: 16, 128: 64, 2048: 128, 0: 128}
 #: the kernel's kMaxSplits (K slices at most) and kMaxSliceTiles (tiles along K per slice at most)
 MAX_SPLITS, MAX_SLICE_TILES = 16, 252
 
 
 def slot(row: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    """Where the kernel keeps element (row, column) of a 64x64 tile in shared memory: 8-row
-    groups of 512 elements, in each 16-byte chunks of 8 columns, a chunk's rows in the order
-    row XOR chunk (ldmatrix reads them without bank conflicts). A bijection on 0..4095."""
+    """Where the kernels keep element (row, column) of a 64x64 tile in shared memory: rows of 64
+    columns (128 bytes), each row's 16-byte chunks of 8 columns in the order chunk XOR (row mod
+    8), the 128-byte swizzle that wgmma reads and ldmatrix reads without bank conflicts. A
+    bijection on 0..4095."""
     chunk = column >> 3
-    return (row >> 3) * 512 + chunk * 64 + ((row & 7) ^ chunk) * 8 + (column & 7)
+    return row * 64 + ((chunk ^ (row & 7)) << 3) + (column & 7)
 
 
 def coordinates(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) of each slot: the inverse of :func:`slot`."""
-    chunk = (slots >> 6) & 7
-    return (slots >> 9) * 8 + (((slots >> 3) & 7) ^ chunk), chunk * 8 + (slots & 7)
+    row = slots >> 6
+    return row, ((((slots >> 3) & 7) ^ (row & 7)) << 3) + (slots & 7)
 
 
 def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
@@ -77,15 +80,28 @@ def capacity_for(fullest_tile: int) -> int:
     return next(c for c in CSR_CAPACITIES if c >= fullest_tile)
 
 
+def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
+    """The CSR kernel that runs ``tile_m`` rows of x per CTA: csr_sm90 for 16 and 32 rows,
+    csr_wgmma_sm90 for 64 and 128 (a consumer warpgroup per 64 rows)."""
+    family = Family.CSR_WGMMA_SM90 if tile_m in CSR_WGMMA_TILE_M else Family.CSR_SM90
+    return KernelSpec(family, dtype, tile=(CSR_TILE_N, tile_m, capacity))
+
+
+def resident_ctas(spec: KernelSpec) -> int:
+    """CTAs of ``spec`` an SM runs at once (the kernels' kCtasPerSm): two, one for the wgmma
+    kernel's two warpgroups of 128 rows."""
+    return 1 if spec.family is Family.CSR_WGMMA_SM90 and spec.tile[1] >= 128 else 2
+
+
 def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms: int) -> int:
     """The K slices the kernel splits ``m`` rows into (its ``splits_for``): none while its CTAs
-    fill two per SM; else, for x tiles of up to 64 rows, the count whose waves carry the
-    least work per slice, and for 128-row tiles as many as fit one wave."""
+    fill the SMs' resident slots; else, for x tiles of up to 64 rows, the count whose waves
+    carry the least work per slice, and for 128-row tiles as many as fit one wave."""
     ctas = out_features // CSR_TILE_N * -(-m // spec.tile[1])
     k_tiles = -(-in_features // TILE_K)
     most = max(1, min(MAX_SPLITS, k_tiles // (2 * spec.csr_step_tiles)))
     fewest = -(-k_tiles // MAX_SLICE_TILES)
-    chosen, best, resident = 1, 1.0, 2 * sms                     # CTAs the GPU runs at once
+    chosen, best, resident = 1, 1.0, resident_ctas(spec) * sms   # CTAs the GPU runs at once
     if spec.tile[1] >= 128:
         chosen = max(1, min(most, resident // ctas))
     elif ctas < resident:
@@ -99,8 +115,7 @@ def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms:
 def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
     """The CSR launch per M bucket for a weight whose fullest tile needs ``capacity``."""
     name = str(dtype).replace("torch.", "")
-    return [(bound, Launch(KernelSpec(Family.CSR_SM90, name, tile=(CSR_TILE_N, DEFAULT_TILE_M[bound], capacity))))
-            for bound, _ in M_BUCKETS]
+    return [(bound, Launch(kernel_spec(name, DEFAULT_TILE_M[bound], capacity))) for bound, _ in M_BUCKETS]
 
 
 def tile_m_for(m: int) -> int:

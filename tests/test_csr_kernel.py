@@ -8,7 +8,7 @@ from sparsecc.analysis import analyze
 from sparsecc.codegen import CSR_CAPACITIES, TILES, Family, KernelSpec
 from sparsecc.cost import CostModel, format_nbytes
 from sparsecc.csr_kernel import (DEFAULT_TILE_M, TILE_K, CsrKernelWeight, capacity_for, coordinates, dispatch, k_slices,
-                                 shape_supported, slot, tile_m_for)
+                                 resident_ctas, shape_supported, slot, tile_m_for)
 from sparsecc.errors import InputError
 from sparsecc.formats import CSR
 from sparsecc.gpu import M_BUCKETS
@@ -48,6 +48,15 @@ def test_pack_round_trips_and_stores_tiles_as_the_kernel_reads_them(shape, dtype
         assert set(slots[ptr[tile] + real:ptr[tile + 1]].tolist()) <= {slots[ptr[tile] + real - 1].item()}
     assert packed.metadata.dtype == torch.int32 and packed.spec == CSR
     assert packed.nbytes == packed.values.numel() * weight.element_size() + packed.metadata.numel() * 4
+
+
+def test_slots_are_the_128_byte_swizzle_that_wgmma_reads():
+    """A tile's rows are 128 bytes; the hardware's 128-byte swizzle (TMA and wgmma) XORs bits
+    4-6 of a byte address with bits 7-9 (the tile starts 1024-byte aligned)."""
+    row, column = torch.meshgrid(torch.arange(64), torch.arange(TILE_K), indexing="ij")
+    plain = row * 128 + column * 2
+    swizzled = plain ^ (((plain >> 7) & 7) << 4)
+    assert torch.equal(slot(row, column) * 2, swizzled)
 
 
 def test_slots_are_a_bijection_on_a_tile_that_ldmatrix_reads_without_conflicts():
@@ -91,8 +100,10 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
     for capacity in CSR_CAPACITIES:
         table = dispatch(torch.bfloat16, capacity)
         assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
-        assert all(launch.spec.family is Family.CSR_SM90 and launch.spec.tile in TILES[Family.CSR_SM90]
-                   and launch.spec.tile[2] == capacity for _, launch in table)
+        assert all(launch.spec.tile in TILES[launch.spec.family] and launch.spec.tile[2] == capacity
+                   for _, launch in table)
+        # mma.sync tiles of 16 rows up to 16 rows of x, wgmma (64 rows a warpgroup) beyond
+        assert [launch.spec.family for _, launch in table] == [Family.CSR_SM90] * 2 + [Family.CSR_WGMMA_SM90] * 3
     assert tile_m_for(1) == DEFAULT_TILE_M[1] == 16 and tile_m_for(100_000) == DEFAULT_TILE_M[0]
     for tile in TILES[Family.CSR_SM90]:             # two CTAs per SM, three stages at least (the helper warps' ring)
         spec = KernelSpec(Family.CSR_SM90, "float16", tile=tile)
@@ -104,6 +115,10 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
     steps = [KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, c)).csr_step_tiles for c in CSR_CAPACITIES]
     assert steps == sorted(steps, reverse=True) and steps[0] == 4 and steps[-1] == 1
     assert KernelSpec(Family.CSR_SM90, "float16", tile=(64, 32, 2048)).symbol == "sparsecc_csr_sm90_f16_n64_m32_c2048"
+    assert all(KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=tile).csr_step_tiles == 1
+               for tile in TILES[Family.CSR_WGMMA_SM90])
+    with pytest.raises(InputError, match="tile"):           # a warpgroup multiplies 64 rows of x
+        KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=(64, 16, 1024))
 
 
 def test_cost_model_runs_unstructured_weights_on_the_kernel_where_it_can(gen):
@@ -147,6 +162,10 @@ def test_k_slices_fill_the_gpu_without_a_costly_partial_wave():
     assert k_slices(11008, 2048, 4096, spec128, 132) == 1
     assert k_slices(768, 2048, 3072, spec128, 132) == 1               # 192 CTAs: one wave, no fp32 slices
     assert k_slices(768, 128, 3072, spec128, 132) == 16                # 12 CTAs: one wave's worth, at most 16
+    wgmma128 = KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=(64, 128, 256))    # one CTA per SM
+    assert resident_ctas(wgmma128) == 1 and k_slices(768, 128, 3072, wgmma128, 132) == 11
+    wgmma64 = KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=(64, 64, 2048))
+    assert resident_ctas(wgmma64) == 2 and k_slices(11008, 64, 4096, wgmma64, 132) == 3
     for n, k in [(768, 3072), (3072, 768), (1024, 4096), (4096, 11008)]:
         s = k_slices(n, 16, k, spec16, 132)
         ctas = n // 64

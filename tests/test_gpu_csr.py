@@ -1,5 +1,5 @@
-"""The CSR tensor-core kernel on the GPU (skipped without a Hopper GPU and nvcc): every tile
-of x's rows and every tile capacity, against an fp64 reference, on random unstructured
+"""The CSR tensor-core kernels on the GPU (skipped without a Hopper GPU and nvcc): csr_sm90 up
+to 16 rows of x and csr_wgmma_sm90 beyond, every tile of x's rows and every tile capacity, against an fp64 reference, on random unstructured
 weights with odd K, empty rows, a fully empty and a fully dense weight, every activation,
 batch sizes 1..64 (split over K) and beyond (not split), poisoned outputs, NaN/Inf like
 dense, CUDA graphs, and a compiled model."""
@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import sparsecc
 from sparsecc import gpu, runtime
-from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_M, Family, KernelSpec
+from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_M, CSR_WGMMA_TILE_M, Family, KernelSpec
 from sparsecc.csr_kernel import CsrKernelWeight, dispatch
 from sparsecc.epilogue import ACTIVATION_CODES
 
@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY_NOT is not None, reason=f"
 
 DTYPES = [torch.float16, torch.bfloat16]
 #: what this module runs, compiled in one parallel build before the first test (conftest)
-KERNELS = [launch.spec for dtype in DTYPES for capacity in CSR_CAPACITIES for _, launch in dispatch(dtype, capacity)]
+KERNELS = ([launch.spec for dtype in DTYPES for capacity in CSR_CAPACITIES for _, launch in dispatch(dtype, capacity)]
+           + [KernelSpec(family, str(dtype).replace("torch.", ""), tile=(64, tile_m, capacity))
+              for dtype in DTYPES for capacity in CSR_CAPACITIES
+              for family, tiles_m in ((Family.CSR_SM90, CSR_TILE_M), (Family.CSR_WGMMA_SM90, CSR_WGMMA_TILE_M))
+              for tile_m in tiles_m])
 
 
 def weight(n, k, density, dtype, seed=0, empty_rows=(3,)):
@@ -60,15 +64,16 @@ def launch_poisoned(spec, packed, x, bias, activation):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_m", CSR_TILE_M)
-def test_every_tile_and_batch_size_matches_fp64(tile_m, dtype):
-    """Each tile of x's rows on a weight with K not a multiple of 64 (the last tile is partial)
-    and an empty row, M from 1 to past the tile, with bias and ReLU, into a poisoned y; small
-    batches split over K (the workspace is poisoned too)."""
+@pytest.mark.parametrize("family, tile_m", [(Family.CSR_SM90, m) for m in CSR_TILE_M]
+                         + [(Family.CSR_WGMMA_SM90, m) for m in CSR_WGMMA_TILE_M], ids=str)
+def test_every_kernel_tile_and_batch_size_matches_fp64(family, tile_m, dtype):
+    """Each kernel and tile of x's rows on a weight with K not a multiple of 64 (the last tile is
+    partial) and an empty row, M from 1 to past the tile, with bias and ReLU, into a poisoned y;
+    small batches split over K (the workspace is poisoned too)."""
     w = weight(192, 2000, 0.2, dtype, seed=tile_m)
     packed = CsrKernelWeight.from_dense(w)
     assert torch.equal(packed.to_dense(), w)
-    spec = KernelSpec(Family.CSR_SM90, str(dtype).replace("torch.", ""), tile=(64, tile_m, packed.capacity))
+    spec = KernelSpec(family, str(dtype).replace("torch.", ""), tile=(64, tile_m, packed.capacity))
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
     split = False

@@ -160,10 +160,9 @@ def activation_bytes(w: Workload) -> tuple[float, float]:
     return float(w.m * w.k * e), float(w.m * w.n * e)
 
 
-#: CTAs resident per SM, as the kernels are built: the wgmma BSR kernel fits about four (its
-#: kCtasPerSm: three or two for the largest tiles), the CSR kernels two
-#: (csr_kernel.resident_ctas: one for the wgmma kernel's 128-row tiles)
-RESIDENT_CTAS = {"bsr-kernel": 4, "csr-kernel": 2}
+#: CTAs resident per SM of the wgmma BSR kernel, as built: about four (its kCtasPerSm: three or
+#: two for the largest tiles); the CSR kernels' count is csr_kernel.resident_ctas
+BSR_RESIDENT_CTAS = 4
 #: warps resident per SM of the streaming BSR kernel (64 registers a thread), and the warps each
 #: lets share a block row at most (templates/bsr_sm90.cu.j2: kMaxSplit)
 STREAM_WARPS_PER_SM, STREAM_MAX_SPLIT = 32, 4
@@ -213,7 +212,7 @@ def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
     CTA times the CTAs each resident slot runs; 0 for implementations not modelled by steps."""
     if w.impl in ("bsr-kernel-small", "bsr-kernel-mma"):
         return _stream_steps(w, sms)
-    if w.impl not in RESIDENT_CTAS:
+    if w.impl not in ("bsr-kernel", "csr-kernel"):
         return 0.0
     from .codegen import CSR_TILE_N
     if w.impl == "csr-kernel":
@@ -231,7 +230,7 @@ def steps(w: Workload, sms: int = DEFAULT_SMS) -> float:
     step_k = min(bw, 64)       # the wgmma kernel loads one block (or 64 columns) per step
     per_cta = density * w.k / step_k
     ctas = math.ceil(w.n / h) * math.ceil(w.m / tile_m)
-    return per_cta * max(1.0, ctas / (sms * RESIDENT_CTAS[w.impl]))
+    return per_cta * max(1.0, ctas / (sms * BSR_RESIDENT_CTAS))
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from .codegen import CSR_CAPACITIES, CSR_TILE_N, CSR_WGMMA_TILE_M, Family, KernelSpec
+from .codegen import CSR_CAPACITIES, CSR_SM90_CAPACITIES, CSR_TILE_N, CSR_WGMMA_TILE_M, Family, KernelSpec
 from .errors import InputError
 from .formats import CSR, INDEX_DTYPE
 from .gpu import KERNEL_DTYPES, M_BUCKETS, KernelWeight, Launch, dispatch_string
@@ -81,10 +81,13 @@ def capacity_for(fullest_tile: int) -> int:
 
 
 def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
-    """The CSR kernel that runs ``tile_m`` rows of x per CTA: csr_sm90 for 16 and 32 rows,
+    """The CSR kernel that runs ``tile_m`` rows of x per CTA on a packing of ``capacity``:
+    csr_sm90 for 16 and 32 rows (built for the smallest of its capacities that holds it),
     csr_wgmma_sm90 for 64 and 128 (a consumer warpgroup per 64 rows)."""
-    family = Family.CSR_WGMMA_SM90 if tile_m in CSR_WGMMA_TILE_M else Family.CSR_SM90
-    return KernelSpec(family, dtype, tile=(CSR_TILE_N, tile_m, capacity))
+    if tile_m in CSR_WGMMA_TILE_M:
+        return KernelSpec(Family.CSR_WGMMA_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity))
+    built = next(c for c in CSR_SM90_CAPACITIES if c >= capacity)
+    return KernelSpec(Family.CSR_SM90, dtype, tile=(CSR_TILE_N, tile_m, built))
 
 
 def resident_ctas(spec: KernelSpec) -> int:

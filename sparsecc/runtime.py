@@ -7,6 +7,7 @@ A kernel is registered under its symbol, which is what the custom ops carry in t
 from __future__ import annotations
 
 import ctypes
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -15,7 +16,7 @@ import torch
 
 from . import launcher
 from .build import KernelCache, build, toolchain
-from .codegen import Family, KernelSpec
+from .codegen import CSR_LAYOUT, Family, KernelSpec
 from .config import settings
 from .errors import InputError, KernelBuildError, SparseccError
 from .kernel_dir import KernelDirectory
@@ -172,8 +173,14 @@ def get(symbol: str) -> Kernel:
     try:
         return _REGISTRY[symbol]
     except KeyError:
-        raise SparseccError(f"kernel {symbol} is not loaded in this process: compile the model with "
-                            "sparsecc.compile (or call sparsecc.runtime.ensure) first") from None
+        pass
+    csr = re.fullmatch(r"sparsecc_csr_\w+_c\d+(?:_l(\d+))?", symbol)
+    if csr and csr.group(1) != str(CSR_LAYOUT):
+        raise SparseccError(f"kernel {symbol} reads weights packed in an earlier tiled CSR layout "
+                            f"({csr.group(1) or 1}, this sparsecc packs layout {CSR_LAYOUT}): a module saved "
+                            "with it must be compiled again")
+    raise SparseccError(f"kernel {symbol} is not loaded in this process: compile the model with "
+                        "sparsecc.compile (or call sparsecc.runtime.ensure) first")
 
 
 def loaded() -> dict[str, Kernel]:

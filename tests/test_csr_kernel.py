@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from sparsecc.analysis import analyze
-from sparsecc.codegen import CSR_CAPACITIES, TILES, Family, KernelSpec
+from sparsecc import runtime
+from sparsecc.codegen import CSR_CAPACITIES, CSR_LAYOUT, CSR_SM90_CAPACITIES, TILES, Family, KernelSpec
 from sparsecc.cost import CostModel, format_nbytes
 from sparsecc.csr_kernel import (DEFAULT_TILE_M, TILE_K, CsrKernelWeight, capacity_for, coordinates, dispatch, k_slices,
-                                 resident_ctas, shape_supported, slot, tile_m_for)
-from sparsecc.errors import InputError
+                                 kernel_spec, resident_ctas, shape_supported, slot, tile_m_for)
+from sparsecc.errors import InputError, SparseccError
 from sparsecc.formats import CSR
 from sparsecc.gpu import M_BUCKETS
 
@@ -72,7 +73,7 @@ def test_slots_are_a_bijection_on_a_tile_that_ldmatrix_reads_without_conflicts()
 
 
 def test_capacity_is_the_smallest_that_holds_the_fullest_tile(gen):
-    assert [capacity_for(c) for c in (0, 8, 260, 1024, 1032, 4096)] == [256, 256, 512, 1024, 2048, 4096]
+    assert [capacity_for(c) for c in (0, 8, 260, 1024, 1032, 1544, 4096)] == [256, 256, 512, 1024, 1536, 2048, 4096]
     sparse = CsrKernelWeight.pack(unstructured(128, 256, 0.1, gen))
     assert sparse.capacity == 512 and 256 < sparse.fullest_tile <= 512
     full = CsrKernelWeight.pack(torch.randn(64, 128, generator=gen))
@@ -100,8 +101,9 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
     for capacity in CSR_CAPACITIES:
         table = dispatch(torch.bfloat16, capacity)
         assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
-        assert all(launch.spec.tile in TILES[launch.spec.family] and launch.spec.tile[2] == capacity
+        assert all(launch.spec.tile in TILES[launch.spec.family] and launch.spec.tile[2] >= capacity
                    for _, launch in table)
+        assert all(launch.spec.tile[2] == capacity for _, launch in table if launch.spec.family is Family.CSR_WGMMA_SM90)
         # mma.sync tiles of 16 rows up to 16 rows of x, wgmma (64 rows a warpgroup) beyond
         assert [launch.spec.family for _, launch in table] == [Family.CSR_SM90] * 2 + [Family.CSR_WGMMA_SM90] * 3
     assert tile_m_for(1) == DEFAULT_TILE_M[1] == 16 and tile_m_for(100_000) == DEFAULT_TILE_M[0]
@@ -112,9 +114,12 @@ def test_dispatch_has_a_kernel_per_bucket_and_deep_pipelines_for_sparse_tiles():
         shared = (spec.csr_stages * (tile[1] * step_k * 2 + tile[2] * spec.csr_step_tiles * 4) + 2 * 64 * step_k * 2
                   + offsets)
         assert 3 <= spec.csr_stages <= 8 and shared <= 113 << 10, tile
-    steps = [KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, c)).csr_step_tiles for c in CSR_CAPACITIES]
+    steps = [KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, c)).csr_step_tiles for c in CSR_SM90_CAPACITIES]
     assert steps == sorted(steps, reverse=True) and steps[0] == 4 and steps[-1] == 1
-    assert KernelSpec(Family.CSR_SM90, "float16", tile=(64, 32, 2048)).symbol == "sparsecc_csr_sm90_f16_n64_m32_c2048"
+    assert KernelSpec(Family.CSR_SM90, "float16", tile=(64, 32, 2048)).symbol == "sparsecc_csr_sm90_f16_n64_m32_c2048_l2"
+    # a 1536 packing: the wgmma kernel's own build, csr_sm90's 2048 one (it has no 1536 build)
+    assert kernel_spec("float16", 64, 1536).tile == (64, 64, 1536)
+    assert kernel_spec("float16", 16, 1536) == KernelSpec(Family.CSR_SM90, "float16", tile=(64, 16, 2048))
     assert all(KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=tile).csr_step_tiles == 1
                for tile in TILES[Family.CSR_WGMMA_SM90])
     with pytest.raises(InputError, match="tile"):           # a warpgroup multiplies 64 rows of x
@@ -171,3 +176,15 @@ def test_k_slices_fill_the_gpu_without_a_costly_partial_wave():
         ctas = n // 64
         assert 1 <= s <= max(1, -(-k // 64) // (2 * spec16.csr_step_tiles))
         assert -(-ctas * s // 264) / s <= 1.0
+
+
+def test_a_kernel_of_an_older_csr_layout_is_refused_with_the_reason():
+    """The layout version is part of the CSR kernels' symbols: a module saved with weights packed in
+    an earlier layout names a kernel that is never loaded, and the error says why."""
+    current = KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=(64, 64, 1024)).symbol
+    assert current.endswith(f"_l{CSR_LAYOUT}")
+    older = current.rsplit("_l", 1)[0]                      # layout 1 had no suffix
+    with pytest.raises(SparseccError, match=r"earlier tiled CSR layout \(1, this sparsecc packs layout 2\)"):
+        runtime.get(older)
+    with pytest.raises(SparseccError, match="is not loaded in this process"):
+        runtime.get(current)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import sparsecc
 from sparsecc import gpu, runtime
-from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_M, CSR_WGMMA_TILE_M, Family, KernelSpec
+from sparsecc.codegen import CSR_CAPACITIES, CSR_SM90_CAPACITIES, CSR_TILE_M, CSR_WGMMA_TILE_M, Family, KernelSpec
 from sparsecc.csr_kernel import CsrKernelWeight, dispatch
 from sparsecc.epilogue import ACTIVATION_CODES
 
@@ -25,9 +25,10 @@ DTYPES = [torch.float16, torch.bfloat16]
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = ([launch.spec for dtype in DTYPES for capacity in CSR_CAPACITIES for _, launch in dispatch(dtype, capacity)]
            + [KernelSpec(family, str(dtype).replace("torch.", ""), tile=(64, tile_m, capacity))
-              for dtype in DTYPES for capacity in CSR_CAPACITIES
-              for family, tiles_m in ((Family.CSR_SM90, CSR_TILE_M), (Family.CSR_WGMMA_SM90, CSR_WGMMA_TILE_M))
-              for tile_m in tiles_m])
+              for dtype in DTYPES
+              for family, tiles_m, capacities in ((Family.CSR_SM90, CSR_TILE_M, CSR_SM90_CAPACITIES),
+                                                  (Family.CSR_WGMMA_SM90, CSR_WGMMA_TILE_M, CSR_CAPACITIES))
+              for capacity in capacities for tile_m in tiles_m])
 
 
 def weight(n, k, density, dtype, seed=0, empty_rows=(3,)):
@@ -90,7 +91,7 @@ def test_every_kernel_tile_and_batch_size_matches_fp64(family, tile_m, dtype):
 def test_every_tile_capacity(capacity):
     """Weights whose fullest tile needs each capacity (a quarter, half and all of a tile stored),
     through the op's dispatch at small and large batches."""
-    density = {256: 0.01, 512: 0.08, 1024: 0.2, 2048: 0.45, 4096: 0.9}[capacity]
+    density = {256: 0.01, 512: 0.08, 1024: 0.2, 1536: 0.3, 2048: 0.45, 4096: 0.9}[capacity]
     w = weight(256, 1024, density, torch.float16, seed=capacity)
     packed = CsrKernelWeight.from_dense(w)
     assert packed.capacity == capacity

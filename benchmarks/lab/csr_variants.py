@@ -1,5 +1,6 @@
-"""The CSR tensor-core kernel (templates/csr_sm90) against other versions of its template, in one
-process: "current" is the package's template, and each ``--template NAME=PATH`` is another
+"""The CSR tensor-core kernels against other versions of their templates, in one process:
+"current" is the package's kernel for each tile of x's rows (csr_kernel.kernel_spec: csr_sm90 for
+16 and 32 rows, csr_wgmma_sm90 for 64 and 128), and each ``--template NAME=PATH`` is another
 (e.g. an earlier commit's, ``git show REV:templates/csr_sm90.cu.j2 > PATH``), rendered with the
 package's macros and built with sparsecc's nvcc command into its own library (same entry
 points). ``--head-geometry NAME`` renders NAME with the stage geometry of before the helper
@@ -30,8 +31,8 @@ from kernels_csr import unstructured_weight  # noqa: E402
 
 import sparsecc  # noqa: E402
 from sparsecc import build, codegen, runtime  # noqa: E402
-from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_N, Family, KernelSpec  # noqa: E402
-from sparsecc.csr_kernel import CsrKernelWeight, tile_m_for  # noqa: E402
+from sparsecc.codegen import CSR_CAPACITIES, CSR_TILE_N  # noqa: E402
+from sparsecc.csr_kernel import CsrKernelWeight, kernel_spec, tile_m_for  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES  # noqa: E402
 
 
@@ -129,7 +130,7 @@ def main():
             weights[(n, k, density)] = CsrKernelWeight.pack(unstructured_weight(n, k, density, dtype, gen))
     def tiles_m(m):
         return args.tile_m or [tile_m_for(m)]
-    specs = {KernelSpec(Family.CSR_SM90, "float16", tile=(CSR_TILE_N, tile_m, packed.capacity))
+    specs = {kernel_spec("float16", tile_m, packed.capacity)
              for packed in weights.values() for m in args.ms for tile_m in tiles_m(m)}
     knobs = {o.split("=", 1)[0]: tuple(o.split("=", 1)[1].split(",")) for o in args.off}
     kernels, failures = build_variants(sorted(specs, key=lambda s: s.tile), templates, set(args.head_geometry),
@@ -155,7 +156,7 @@ def main():
                     result["rows"].append({"impl": "cusparse", **base, "us": time_eager_us(
                         lambda: torch.relu(torch.sparse.mm(w_csr, x.t()).t() + bias))})
             for name, tile_m in itertools.product(templates, tiles_m(m)):
-                spec = KernelSpec(Family.CSR_SM90, "float16", tile=(CSR_TILE_N, tile_m, packed.capacity))
+                spec = kernel_spec("float16", tile_m, packed.capacity)
                 if (name, spec) not in kernels:
                     continue
                 for splits in [1] + [s for s in args.splits if s > 1]:

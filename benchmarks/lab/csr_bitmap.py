@@ -28,10 +28,12 @@ from sparsecc.formats import INDEX_DTYPE  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = {"slots": str(HERE.parent.parent / "templates" / "csr_wgmma_sm90.cu.j2"),
-             "bitmap": str(HERE / "csr_bitmap.cu.j2"), "bitmap_set_bits": str(HERE / "csr_bitmap.cu.j2")}
+             "bitmap": str(HERE / "csr_bitmap.cu.j2"), "bitmap_set_bits": str(HERE / "csr_bitmap.cu.j2"),
+             "bitmap_two_warps": str(HERE / "csr_bitmap.cu.j2")}
 #: the variants' knobs (csr_bitmap.cu.j2's `off`): set_bits, one load per set bit of a chunk's mask
-#: byte instead of eight predicated ones
-KNOBS = {"bitmap_set_bits": ("set_bits",)}
+#: byte instead of eight predicated ones; two_warps, two scatter warps per dense tile (two groups
+#: of chunks each; four did not compile: 40 registers a thread at two CTAs per SM)
+KNOBS = {"bitmap_set_bits": ("set_bits",), "bitmap_two_warps": ("two_warps",)}
 
 
 def pack_bitmap(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -75,9 +75,10 @@ def expected_capacity(density: float) -> int:
     return capacity_for(min(entries, int(fullest)))
 
 
-def capacity_for(fullest_tile: int) -> int:
-    """The smallest compiled tile capacity that holds a tile of ``fullest_tile`` padded entries."""
-    return next(c for c in CSR_CAPACITIES if c >= fullest_tile)
+def capacity_for(fullest_tile: int, capacities: tuple[int, ...] = CSR_CAPACITIES) -> int:
+    """The smallest of ``capacities`` (the packing's, by default) that holds a tile of
+    ``fullest_tile`` padded entries."""
+    return next(c for c in capacities if c >= fullest_tile)
 
 
 def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
@@ -86,8 +87,7 @@ def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
     csr_wgmma_sm90 for 64 and 128 (a consumer warpgroup per 64 rows)."""
     if tile_m in CSR_WGMMA_TILE_M:
         return KernelSpec(Family.CSR_WGMMA_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity))
-    built = next(c for c in CSR_SM90_CAPACITIES if c >= capacity)
-    return KernelSpec(Family.CSR_SM90, dtype, tile=(CSR_TILE_N, tile_m, built))
+    return KernelSpec(Family.CSR_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity_for(capacity, CSR_SM90_CAPACITIES)))
 
 
 def resident_ctas(spec: KernelSpec) -> int:
@@ -124,6 +124,14 @@ def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
 def tile_m_for(m: int) -> int:
     """Rows of x per CTA that :func:`dispatch` runs M rows with."""
     return next(DEFAULT_TILE_M[bound] for bound, _ in M_BUCKETS if bound == 0 or m <= bound)
+
+
+def metadata_header(tile_ptr: torch.Tensor) -> torch.Tensor:
+    """The metadata's first part: ``tile_ptr`` as int32, zero-padded to a multiple of 4 words
+    (what follows starts 16-byte aligned, at the kernels' slots_offset)."""
+    header = torch.zeros(-(-tile_ptr.numel() // 4) * 4, dtype=INDEX_DTYPE, device=tile_ptr.device)
+    header[: tile_ptr.numel()] = tile_ptr.to(INDEX_DTYPE)
+    return header
 
 
 @dataclass
@@ -172,8 +180,7 @@ class CsrKernelWeight(KernelWeight):
         values = tiles[tile[source], position[source]]
         slots = slot(position[source] // TILE_K, position[source] % TILE_K).to(torch.int32)
         pairs = torch.where(slots >= 1 << 15, slots - (1 << 16), slots).to(torch.int16).view(INDEX_DTYPE)
-        header = torch.zeros(-(-(tile_ptr.numel()) // 4) * 4, dtype=INDEX_DTYPE, device=weight.device)
-        header[: tile_ptr.numel()] = tile_ptr.to(INDEX_DTYPE)
+        header = metadata_header(tile_ptr)
         fullest = int(padded.max()) if padded.numel() else 0
         return cls(values, torch.cat([header, pairs]), n, k, capacity=capacity_for(fullest))
 

@@ -23,7 +23,8 @@ from csr_variants import build_variants, call  # noqa: E402
 from kernels_csr import unstructured_weight  # noqa: E402
 
 from sparsecc.codegen import CSR_TILE_N, Family, KernelSpec  # noqa: E402
-from sparsecc.csr_kernel import TILE_K, CsrKernelWeight, capacity_for, coordinates, tile_m_for  # noqa: E402
+from sparsecc.csr_kernel import (TILE_K, CsrKernelWeight, capacity_for, coordinates, metadata_header,  # noqa: E402
+                                 tile_m_for)
 from sparsecc.formats import INDEX_DTYPE  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -57,9 +58,7 @@ def pack_bitmap(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     rank = flat_nonzero.int().cumsum(1)[tile, position] - 1
     values = weight.new_zeros(int(tile_ptr[-1]))
     values[tile_ptr[tile] + rank] = flat[tile, position]
-    header = torch.zeros(-(-tile_ptr.numel() // 4) * 4, dtype=INDEX_DTYPE, device=weight.device)
-    header[: tile_ptr.numel()] = tile_ptr.to(INDEX_DTYPE)
-    metadata = torch.cat([header, masks.reshape(-1).view(INDEX_DTYPE)])
+    metadata = torch.cat([metadata_header(tile_ptr), masks.reshape(-1).view(INDEX_DTYPE)])
     return values, metadata, capacity_for(int(padded.max()))
 
 

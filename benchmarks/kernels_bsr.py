@@ -8,6 +8,8 @@
 - ``sparsecc-bsr-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
 - ``sparsecc-bsr-nonfinite-pass``: the part of ``sparsecc-bsr`` that makes NaN and Inf of x
   propagate as in dense, timed alone;
+- ``sparsecc-bsr-one-row``: where the dispatch runs the pairs kernel (two block rows per CTA),
+  the one-row wgmma kernel with 128 rows of x per CTA that ran there before, for comparison;
 - ``sparsecc-bsr-wgmma``: at 2 to 16 rows of x (where the dispatch runs the small-batch mma
   kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison;
 - ``sparsecc-bsr-streaming``: at one row of x, the streaming CUDA-core kernel that ran there
@@ -102,6 +104,11 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
         "sparsecc-bsr": (on_kernels(packed.kernels), (packed.values, packed.metadata)),
         "sparsecc-bsr-unchecked": (on_kernels(unchecked), (packed.values, packed.metadata)),
     }
+    if gpu.kernel_for(packed.kernels, m)[0].spec.family is Family.BSR_SM90_PAIRS:
+        one_row = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 128)))
+        runtime.ensure([one_row.spec], progress=False)
+        impls["sparsecc-bsr-one-row"] = (on_kernels(gpu.dispatch_string([(0, one_row)], gpu.nonfinite_flags())),
+                                         (packed.values, packed.metadata))
     if 1 < m <= 16:
         wgmma = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
         impls["sparsecc-bsr-wgmma"] = (on_kernels(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),

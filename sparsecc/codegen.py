@@ -33,6 +33,7 @@ class Family(str, enum.Enum):
     GEMV_MMA_SM90_DENSE = "gemv_mma_sm90_dense"
     BSR_SM90 = "bsr_sm90"
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
+    BSR_SM90_PAIRS = "bsr_sm90_pairs"
     BSR_MMA_SM90 = "bsr_mma_sm90"
     CSR_SM90 = "csr_sm90"
     CSR_WGMMA_SM90 = "csr_wgmma_sm90"
@@ -128,12 +129,16 @@ BSR_BLOCK_SIDES = (16, 32, 64, 128)
 BSR_STREAM_TILE_M = (1, 2, 4)
 #: rows of x per CTA of the wgmma BSR kernel: one consumer warpgroup of 64 rows, or two
 BSR_WGMMA_TILE_M = (64, 128, 256)
+#: rows of x per CTA of the wgmma BSR kernel on pairs of 64-row block rows (wgmma's N: one CTA
+#: an SM at 256, two at 128)
+BSR_PAIRS_TILE_M = (128, 256)
 #: rows of x per CTA of the small-batch tensor-core BSR kernel (two mma n-tiles of 8)
 BSR_MMA_TILE_M = (16,)
 
 # (block rows, block columns, rows of x per CTA)
 TILES[Family.BSR_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_STREAM_TILE_M}
 TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_WGMMA_TILE_M}
+TILES[Family.BSR_SM90_PAIRS] = {(64, w, m) for w in BSR_BLOCK_SIDES for m in BSR_PAIRS_TILE_M}
 TILES[Family.BSR_MMA_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_MMA_TILE_M}
 #: the unstructured kernel: rows of a weight tile (its columns are 64), rows of x per CTA, and the
 #: stored entries a tile may have (the packing picks the smallest that holds its fullest tile)
@@ -166,6 +171,7 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 
                 Family.SM80_DENSE: (128, 128, 32), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
                 Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
                 Family.BSR_SM90: (64, 64, 1), Family.BSR_SM90_WGMMA: (64, 64, 128),
+                Family.BSR_SM90_PAIRS: (64, 64, 256),
                 Family.BSR_MMA_SM90: (64, 64, 16),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
                 Family.RESIDUAL_SM90: (8, 256, 12288),

@@ -90,7 +90,10 @@ _SPARSE24_IMPL = {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM
                   None: "sparse24-gemm"}
 
 #: the implementation (calibration.IMPLS) of a BSR site on each BSR kernel family
-_BSR_IMPL = {Family.BSR_SM90_WGMMA: "bsr-kernel", Family.BSR_SM90: "bsr-kernel-small", Family.BSR_MMA_SM90: "bsr-kernel-mma"}
+#: the calibrated implementation of each BSR kernel (the pairs kernel is priced as the one-row
+#: wgmma kernel it replaces at large batch: slower than it runs at density 0.25-0.5)
+_BSR_IMPL = {Family.BSR_SM90_WGMMA: "bsr-kernel", Family.BSR_SM90_PAIRS: "bsr-kernel",
+             Family.BSR_SM90: "bsr-kernel-small", Family.BSR_MMA_SM90: "bsr-kernel-mma"}
 
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
@@ -345,8 +348,9 @@ class CostModel:
             from .gpu import kernel_tile
             fields["tile"] = kernel_tile(Family.SM90_SPARSE24, getattr(torch, stats.dtype), n_rows, k, m)
         if impl == "bsr-kernel":         # the site's dispatch table picks the kernel by the call's M
-            from .bsr_kernel import kernel_for_rows
-            family, tile_m = kernel_for_rows(m)
+            from .bsr_kernel import chunks_per_row_of, kernel_for_rows
+            chunks = chunks_per_row_of(spec.block, k, stats.block_density[spec.block])
+            family, tile_m = kernel_for_rows(m, spec.block, chunks, n_rows // spec.block[0])
             fields.update(impl=_BSR_IMPL[family], tile=(spec.block[0], tile_m))
         if impl == "csr-kernel":
             from .codegen import CSR_TILE_N

@@ -199,7 +199,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
     CSR kernel (compile times them all: sparsecc.kernel_packing.pack_unstructured)."""
     from . import csr_kernel, csr_split, csr_spmm
     from .bsr_kernel import block_supported
-    from .bsr_kernel import dispatch as bsr_dispatch
+    from .bsr_kernel import kernel_specs as bsr_kernel_specs
     from .codegen import CSR_CAPACITIES
     from .kernel_packing import SPMM_MAX_DENSITY
     specs: list[KernelSpec] = []
@@ -207,7 +207,7 @@ def plan_kernels(plan, archs=("sm_90a",)) -> list[KernelSpec]:
         choice = FormatSpec.parse(site.choice)
         dtype = getattr(torch, site.dtype, None)
         if choice.kind == "bsr" and choice.block and not block_supported(choice.block, dtype) and "sm_90a" in archs:
-            specs += [launch.spec for _, launch in bsr_dispatch(dtype, choice.block)]
+            specs += bsr_kernel_specs(dtype, choice.block)
         if choice.kind == "csr" and not csr_kernel.shape_supported(*site.shape, dtype) and "sm_90a" in archs:
             expected = csr_kernel.expected_capacity(site.density)
             specs += [launch.spec for capacity in CSR_CAPACITIES if capacity >= expected

@@ -24,7 +24,8 @@ from .kernel_dir import KernelDirectory
 _VOID = ctypes.c_void_p
 #: the families that skip products dense would compute (0 * NaN) and so export a pass that
 #: propagates NaN and Inf of x (run by their ``_run`` unless the flags say unchecked)
-NONFINITE_PASS_FAMILIES = (Family.SM90_SPARSE24, Family.BSR_SM90, Family.BSR_SM90_WGMMA, Family.BSR_MMA_SM90)
+NONFINITE_PASS_FAMILIES = (Family.SM90_SPARSE24, Family.BSR_SM90, Family.BSR_SM90_WGMMA, Family.BSR_SM90_PAIRS,
+                           Family.BSR_MMA_SM90)
 _INT = ctypes.c_int
 
 

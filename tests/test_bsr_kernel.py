@@ -5,13 +5,15 @@ import pytest
 import torch
 
 from sparsecc.analysis import analyze
-from sparsecc.bsr_kernel import (DEFAULT_KERNEL, SHORT_ROW_CHUNKS, BsrKernelWeight, block_supported, dispatch,
-                                 kernel_for_rows)
+from sparsecc.bsr_kernel import (BSR_BUCKETS, DEFAULT_KERNEL, PAIRS_MIN_BLOCK_ROWS, PAIRS_MIN_CHUNKS, PAIRS_TILE_M,
+                                 SHORT_ROW_CHUNKS,
+                                 BsrKernelWeight, block_supported, chunks_per_row_of, dispatch, kernel_for_rows,
+                                 kernel_specs)
 from sparsecc.codegen import TILES, Family, KernelSpec
 from sparsecc.cost import CostModel
 from sparsecc.errors import FormatError, InputError
 from sparsecc.formats import FormatSpec
-from sparsecc.gpu import M_BUCKETS
+from sparsecc.gpu import M_BUCKETS, launch_for
 
 from conftest import block_sparse
 
@@ -69,7 +71,7 @@ def test_short_block_rows_get_two_tiles_of_x_per_cta(gen):
     """Where a weight's block rows average at most SHORT_ROW_CHUNKS pipeline chunks, its wgmma
     launches (not the streaming one, not 256 rows) take two tiles of x per CTA (``splits``)."""
     for chunks, expected in ((None, 1), (SHORT_ROW_CHUNKS, 2), (SHORT_ROW_CHUNKS + 0.5, 1)):
-        for _, launch in dispatch(torch.float16, (64, 64), chunks):
+        for _, launch in dispatch(torch.float16, (32, 64), chunks):
             wgmma = launch.spec.family is Family.BSR_SM90_WGMMA and launch.spec.tile[2] < 256
             assert launch.splits == (expected if wgmma else 1), (chunks, launch)
     sparse = BsrKernelWeight.pack(block_sparse(256, 1024, (64, 64), 0.1, gen, torch.float16), (64, 64))
@@ -98,7 +100,7 @@ def test_dispatch_has_a_kernel_per_bucket_for_every_block():
     for h in (16, 32, 64, 128):
         for w in (16, 32, 64, 128):
             table = dispatch(torch.float16, (h, w))
-            assert [bound for bound, _ in table] == [bound for bound, _ in M_BUCKETS]
+            assert [bound for bound, _ in table] == [bound for bound, _ in BSR_BUCKETS]
             assert all(launch.spec.family.bsr and launch.spec.tile in TILES[launch.spec.family]
                        and launch.spec.tile[:2] == (h, w) for _, launch in table)
     assert kernel_for_rows(1) == DEFAULT_KERNEL[1] and kernel_for_rows(100_000) == DEFAULT_KERNEL[0]
@@ -126,3 +128,89 @@ def test_cost_model_runs_block_sparse_on_the_kernel_where_it_can(gen):
     stats32 = analyze(weight.float(), extra_blocks=((64, 64),))
     assert model.runs_on(stats32, spec, 2048) != "bsr-kernel"
     assert "float16/bfloat16" in model.decide(stats32, 2048, [spec]).reason
+
+
+def test_bsr_buckets_extend_the_shared_ones():
+    """A BSR site's buckets are the shared ones with 512 added (where the pairs kernel stops)."""
+    assert set(M_BUCKETS) < set(BSR_BUCKETS) and set(BSR_BUCKETS) - set(M_BUCKETS) == {(512, 512)}
+    assert [bound for bound, _ in BSR_BUCKETS] == sorted(b for b, _ in BSR_BUCKETS if b) + [0]
+
+
+def unpair(packed):
+    """The dense weight the pair section describes (each step's blocks at its rows and column)."""
+    h, w = packed.block
+    pairs = (packed.block_rows + 1) // 2
+    section = packed.metadata[packed.pairs_at:].long()
+    pair_ptr, order, steps = section[:pairs + 1], section[pairs + 1: 2 * pairs + 1], section[2 * pairs + 1:]
+    steps = steps.reshape(-1, 3)
+    assert steps.shape[0] == pair_ptr[-1] and sorted(order.tolist()) == list(range(pairs))
+    lengths = pair_ptr[1:] - pair_ptr[:-1]
+    assert lengths[order].diff().le(0).all()                                  # longest union first
+    dense = torch.zeros(packed.out_features, packed.in_features, dtype=packed.values.dtype)
+    blocks = packed.values.reshape(-1, h, w)
+    for p in range(pairs):
+        columns = steps[pair_ptr[p]: pair_ptr[p + 1], 0]
+        assert columns.diff().gt(0).all()                                     # by increasing column
+        for column, *row_blocks in steps[pair_ptr[p]: pair_ptr[p + 1]].tolist():
+            assert any(b >= 0 for b in row_blocks)
+            for r, b in enumerate(row_blocks):
+                if b >= 0:
+                    assert packed.col[b] == column and packed.row_ptr[2 * p + r] <= b < packed.row_ptr[2 * p + r + 1]
+                    dense[(2 * p + r) * h:(2 * p + r + 1) * h, column * w:(column + 1) * w] = blocks[b]
+    return dense
+
+
+@pytest.mark.parametrize("block", [(64, 64), (64, 16), (64, 128)], ids=str)
+def test_pair_section_lists_every_block_once_by_union_of_two_rows(block, gen):
+    """Blocks of 64 rows carry the pairs kernel's section after the guard: every stored block
+    once, at its pair's step for its column, an odd last block row alone; empty rows and an
+    empty pair take no step; the guard ends where the section starts."""
+    h, w = block
+    weight = block_sparse(9 * h, 11 * w, block, 0.35, gen, torch.float16)
+    weight[2 * h:5 * h] = 0                                 # pair 1 empty, an empty row in pair 2
+    packed = BsrKernelWeight.pack(weight, block, cover_columns=False)
+    assert torch.equal(unpair(packed), weight)
+    section = packed.metadata[packed.pairs_at:]
+    assert section[1] == section[2] < section[3]                              # pair 1: no step
+    assert packed.guard.numel() == 3 + int(packed.guard[2])
+    covered = BsrKernelWeight.pack(weight, block)                             # with the blocks of zeros
+    assert torch.equal(unpair(covered), weight)
+    narrow = BsrKernelWeight.pack(block_sparse(64, 128, (32, 32), 0.5, gen, torch.float16), (32, 32))
+    assert narrow.pairs_at == 0 and narrow.metadata.numel() == 2 * 2 + 1 + narrow.values.shape[0] + narrow.guard.numel()
+
+
+def test_long_rows_of_64_run_on_the_pairs_kernel_above_512_rows(gen):
+    """The pairs kernel takes the buckets above 512 rows for blocks of 64 rows whose rows average
+    at least PAIRS_MIN_CHUNKS chunks, on at least PAIRS_MIN_BLOCK_ROWS block rows; its launch
+    carries where the pair section starts; short rows, fewer rows, other heights and unknown
+    rows keep the one-row kernel; kernel_specs lists both."""
+    long = BsrKernelWeight.pack(block_sparse(64 * PAIRS_MIN_BLOCK_ROWS, 512, (64, 64), 0.6, gen, torch.float16),
+                                (64, 64))
+    assert long.chunks_per_row >= PAIRS_MIN_CHUNKS
+    for bound, launch in long.launches():
+        pairs = bound in (2048, 0)
+        assert (launch.spec.family is Family.BSR_SM90_PAIRS) == pairs, bound
+        if pairs:
+            assert launch.spec.tile == (64, 64, PAIRS_TILE_M) and launch.splits == long.pairs_at > 0
+    assert launch_for(long.launches(), 513).spec.symbol == "sparsecc_bsr_sm90_pairs_f16_b64x64_m256"
+    assert launch_for(long.launches(), 512).spec.family is Family.BSR_SM90_WGMMA
+    short = BsrKernelWeight.pack(block_sparse(64 * PAIRS_MIN_BLOCK_ROWS, 512, (64, 64), 0.3, gen, torch.float16),
+                                 (64, 64), cover_columns=False)
+    few = BsrKernelWeight.pack(block_sparse(64 * PAIRS_MIN_BLOCK_ROWS - 64, 2048, (64, 64), 0.5, gen, torch.float16),
+                               (64, 64))
+    assert short.chunks_per_row < PAIRS_MIN_CHUNKS <= few.chunks_per_row
+    for packed in (short, few):
+        assert all(launch.spec.family is not Family.BSR_SM90_PAIRS for _, launch in packed.launches())
+    for table in (dispatch(torch.float16, (64, 64)), dispatch(torch.float16, (32, 64), 8.0, block_rows=128)):
+        assert all(launch.spec.family is not Family.BSR_SM90_PAIRS for _, launch in table)
+    assert kernel_for_rows(8192, (64, 64), PAIRS_MIN_CHUNKS, PAIRS_MIN_BLOCK_ROWS) == (Family.BSR_SM90_PAIRS,
+                                                                                      PAIRS_TILE_M)
+    assert kernel_for_rows(8192, (64, 64), PAIRS_MIN_CHUNKS) == DEFAULT_KERNEL[0]      # rows not known
+    assert kernel_for_rows(512, (64, 64), 16.0, 128) == DEFAULT_KERNEL[512]
+    assert chunks_per_row_of((64, 32), 4096, 0.25) == 32 and chunks_per_row_of((64, 128), 4096, 0.25) == 16
+    specs = kernel_specs(torch.bfloat16, (64, 32))
+    assert KernelSpec(Family.BSR_SM90_PAIRS, "bfloat16", tile=(64, 32, PAIRS_TILE_M)) in specs
+    assert {s.family for s in specs} == {Family.BSR_MMA_SM90, Family.BSR_SM90_WGMMA, Family.BSR_SM90_PAIRS}
+    assert Family.BSR_SM90_PAIRS not in {s.family for s in kernel_specs(torch.float16, (32, 64))}
+    with pytest.raises(InputError, match="tile"):
+        KernelSpec(Family.BSR_SM90_PAIRS, "float16", tile=(32, 64, 256))       # a block row is 64 outputs

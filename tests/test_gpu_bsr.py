@@ -4,7 +4,8 @@ patterns, empty block rows, a fully empty and a fully dense weight, every activa
 batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled model. The
 dispatch runs the streaming kernel (bsr_sm90) for M = 1, the mma kernel (bsr_mma_sm90) for
 M = 2..16 and the wgmma kernel (bsr_sm90_wgmma) above, so the batch sizes below cover all
-three; the small-batch kernels' own tests are in test_gpu_bsr_small_batch.py."""
+three; the pairs kernel (bsr_sm90_pairs, long rows of 64-row blocks above 512 rows of x) has
+its own tests here; the small-batch kernels' are in test_gpu_bsr_small_batch.py."""
 import pytest
 import torch
 import torch.nn as nn
@@ -31,6 +32,10 @@ ROWS = [1, 7, 33, 1000]
 WGMMA_TILES = [((64, 64), 256, torch.float16), ((128, 128), 256, torch.bfloat16), ((16, 16), 64, torch.bfloat16),
                ((32, 128), 128, torch.float16), ((128, 16), 64, torch.float16)]
 
+#: the pairs kernel's tilings: every block width, both rows-of-x tiles
+PAIRS_TILES = [((64, 64), 256, torch.float16), ((64, 32), 256, torch.bfloat16), ((64, 16), 128, torch.float16),
+               ((64, 128), 128, torch.bfloat16), ((64, 64), 128, torch.bfloat16)]
+
 
 def dtype_name(dtype):
     return str(dtype).replace("torch.", "")
@@ -39,6 +44,8 @@ def dtype_name(dtype):
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = [launch.spec for dtype in DTYPES for block in BLOCKS for _, launch in dispatch(dtype, block)]
 KERNELS += [KernelSpec(Family.BSR_SM90_WGMMA, dtype_name(dtype), tile=(*block, tile_m)) for block, tile_m, dtype in WGMMA_TILES]
+KERNELS += [KernelSpec(Family.BSR_SM90_PAIRS, dtype_name(dtype), tile=(*block, tile_m))
+            for block, tile_m, dtype in PAIRS_TILES]
 
 
 def weight(block, n_blocks, k_blocks, density, dtype, seed=0, empty_rows=(1,)):
@@ -104,6 +111,65 @@ def test_wgmma_tiles_the_dispatch_does_not_use(block, tile_m, dtype):
         assert error <= TOLERANCE[dtype], (m, error)
 
 
+def pairs_weight(block, tile_m, dtype, density=0.4, seed=50):
+    """An odd number of block rows (the last pair one row), pair 1 empty, pair 2 one row, packed
+    for the pairs kernel alone."""
+    w = weight(block, 9, 7, density, dtype, seed=seed, empty_rows=(2, 3, 4))
+    spec = KernelSpec(Family.BSR_SM90_PAIRS, dtype_name(dtype), tile=(*block, tile_m))
+    runtime.ensure([spec], progress=False)
+    packed = BsrKernelWeight.pack(w, block)
+    packed.kernels = gpu.dispatch_string([(0, gpu.Launch(spec, splits=packed.pairs_at))])
+    return w, packed
+
+
+@pytest.mark.parametrize("block,tile_m,dtype", PAIRS_TILES, ids=str)
+def test_pairs_kernel_matches_fp64(block, tile_m, dtype):
+    """The pairs kernel (two block rows per CTA over the union of their block columns) on
+    pairs_weight, every activation, batch sizes that leave partial tiles, into a poisoned y;
+    a dense weight (every step both rows') too."""
+    w, packed = pairs_weight(block, tile_m, dtype)
+    gen = torch.Generator().manual_seed(51)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
+    for m, activation in ((1, "relu"), (tile_m - 1, "gelu"), (tile_m + 1, "silu"), (1000, "gelu_tanh"),
+                          (3 * tile_m, "none")):
+        x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+        error = rel_error(run_poisoned(packed, x, bias, activation, m), reference(x, w, bias, activation))
+        assert error <= TOLERANCE[dtype], (m, activation, error)
+    full, packed = pairs_weight(block, tile_m, dtype, density=1.0, seed=52)
+    x = torch.randn(300, w.shape[1], generator=gen).to(dtype).cuda()
+    assert rel_error(run_poisoned(packed, x, None, "relu", 300), reference(x, full, None, "relu")) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_kernel_propagates_nan_and_inf_like_dense(dtype):
+    """NaN and ±Inf of x through the pairs kernel as through dense (its epilogue raises the
+    guard, the pass poisons the rows that skip a block column); then a clean call is clean."""
+    dense, packed = pairs_weight((64, 32), 256, dtype, density=0.3, seed=53)
+    gen = torch.Generator().manual_seed(54)
+    x = torch.randn(300, dense.shape[1], generator=gen).to(dtype).cuda()
+    bias = torch.randn(dense.shape[0], generator=gen).to(dtype).cuda()
+    x[3, 5] = float("nan")
+    x[7, 100] = float("inf")
+    x[260, 200] = float("-inf")
+    assert_same_nonfinite(run(packed, x, bias, "relu"), ieee_reference(x, dense, bias, "relu").to(dtype), dtype)
+    clean = torch.randn(300, dense.shape[1], generator=gen).to(dtype).cuda()
+    got = run(packed, clean, bias, "relu")
+    assert got.isfinite().all() and rel_error(got, reference(clean, dense, bias, "relu")) <= TOLERANCE[dtype]
+
+
+def test_long_rows_dispatch_the_pairs_kernel():
+    """A site of 64x64 blocks with long rows (64 block rows) runs the pairs kernel above 512 rows
+    of x, the one-row kernel at 512, both matching fp64 through the op."""
+    dtype = torch.float16
+    w = weight((64, 64), 64, 10, 0.6, dtype, seed=55)
+    packed = BsrKernelWeight.from_dense(w, (64, 64))
+    gen = torch.Generator().manual_seed(56)
+    for m, family in ((513, Family.BSR_SM90_PAIRS), (512, Family.BSR_SM90_WGMMA)):
+        assert gpu.kernel_for(packed.kernels, m)[0].spec.family is family
+        x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
+        assert rel_error(run(packed, x, None, "gelu"), reference(x, w, None, "gelu")) <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block,tile_m", [((64, 64), 128), ((64, 64), 64), ((32, 32), 128), ((16, 64), 64)], ids=str)
 def test_two_tiles_per_cta_compute_what_one_does(block, tile_m, dtype):
@@ -126,7 +192,7 @@ def test_two_tiles_per_cta_compute_what_one_does(block, tile_m, dtype):
             assert rel_error(y, reference(x, w, bias, "gelu")) <= TOLERANCE[dtype], (density, m)
     short, long = (BsrKernelWeight.from_dense(weight(block, 6, 9, d, dtype, seed=42), block) for d in (0.15, 0.9))
     assert short.chunks_per_row <= 3 < long.chunks_per_row
-    assert gpu.kernel_for(short.kernels, 4096)[2] == 2 and gpu.kernel_for(long.kernels, 4096)[2] == 1
+    assert gpu.kernel_for(short.kernels, 512)[2] == 2 and gpu.kernel_for(long.kernels, 512)[2] == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

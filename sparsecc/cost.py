@@ -89,9 +89,9 @@ _SMALL_BATCH_UNITS = {Family.GEMV_SM90_SPARSE24: "CUDA cores", Family.GEMV_MMA_S
 _SPARSE24_IMPL = {Family.GEMV_SM90_SPARSE24: "sparse24-gemv", Family.GEMV_MMA_SM90_SPARSE24: "sparse24-mma",
                   None: "sparse24-gemm"}
 
-#: the implementation (calibration.IMPLS) of a BSR site on each BSR kernel family
-#: the calibrated implementation of each BSR kernel (the pairs kernel is priced as the one-row
-#: wgmma kernel it replaces at large batch: slower than it runs at density 0.25-0.5)
+#: the implementation (calibration.IMPLS) of a BSR site on each BSR kernel family (the pairs
+#: kernel is priced as the one-row wgmma kernel it replaces at large batch: slower than it runs
+#: at density 0.25-0.5)
 _BSR_IMPL = {Family.BSR_SM90_WGMMA: "bsr-kernel", Family.BSR_SM90_PAIRS: "bsr-kernel",
              Family.BSR_SM90: "bsr-kernel-small", Family.BSR_MMA_SM90: "bsr-kernel-mma"}
 

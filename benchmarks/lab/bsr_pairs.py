@@ -1,26 +1,21 @@
 """Two block rows per CTA for the wgmma BSR kernel at large batch (issue: BSR/CSR kernels).
 
-Times the prototype ``bsr_pairs.cu.j2`` (a CTA: two block rows of W, the union of their block
-columns, W as wgmma's A operand, up to 256 rows of x as its N) at each of ``--tiles`` against
-cuBLAS + ReLU and the dispatched kernel (as sparsecc.bsr_kernel chooses: the one-row
-``bsr_sm90_wgmma`` when the results of 2026-11-26 were taken, the pairs template itself since
-where it runs), all unchecked (no NaN/Inf pass), graph replay, one process, fp16 unless ``--dtype``.
-Also checks the prototype on odd shapes (an odd number of block rows, M not a multiple of the
-tile, empty block rows) against fp32. Writes bsr_pairs.json to $OUT.
+Times the pairs kernel (``templates/bsr_sm90_pairs.cu.j2``: a CTA takes two block rows of W and
+the union of their block columns, W as wgmma's A operand, 128 or 256 rows of x as its N) at
+each of ``--tiles`` against cuBLAS + ReLU and the dispatched kernel (as sparsecc.bsr_kernel
+chooses: the one-row ``bsr_sm90_wgmma`` when the results of 2026-11-26 were taken, from a
+prototype of this template without the NaN/Inf guard; the pairs kernel itself since where it
+runs), all unchecked (no NaN/Inf pass), graph replay, one process, fp16 unless ``--dtype``.
+Also checks the pairs kernel on odd shapes (an odd number of block rows, M not a multiple of
+the tile, empty block rows) against fp32. Writes bsr_pairs.json to $OUT.
 
     OUT=/tmp python benchmarks/lab/bsr_pairs.py [--ms 2048 8192] [--shapes NxK ...]
         [--densities D ...] [--tiles 128 256] [--blocks 64x64 64x32]
 """
 import argparse
-import concurrent.futures
 import os
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-import jinja2
 import torch
 import torch.nn.functional as F
 
@@ -28,81 +23,32 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import rel_err, time_graph_us, write_lab  # noqa: E402
 from kernels_bsr import block_weight  # noqa: E402
 
-import sparsecc  # noqa: E402
-from sparsecc import build, codegen, gpu, runtime  # noqa: E402
+from sparsecc import gpu, runtime  # noqa: E402
 from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
 from sparsecc.codegen import Family, KernelSpec  # noqa: E402
 from sparsecc.epilogue import ACTIVATION_CODES, UNCHECKED_NONFINITE  # noqa: E402
 
-TEMPLATE = Path(__file__).with_name("bsr_pairs.cu.j2")
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 DENSITIES = [0.5, 0.25, 0.1, 0.05]
 
 
-def pair_metadata(packed: BsrKernelWeight) -> torch.Tensor:
-    """pair_ptr [P + 1], order [P] (longest union first), then (column, block of row 2p or -1,
-    block of row 2p + 1 or -1) per step of each pair's union of block columns."""
-    row_ptr, col = packed.row_ptr.tolist(), packed.col.tolist()
-    rows = packed.block_rows
-    steps, pair_ptr = [], [0]
-    for p in range((rows + 1) // 2):
-        slots = {}
-        for r in range(2):
-            if 2 * p + r >= rows:
-                continue
-            for j in range(row_ptr[2 * p + r], row_ptr[2 * p + r + 1]):
-                slots.setdefault(col[j], [-1, -1])[r] = j
-        for column in sorted(slots):
-            steps.append((column, *slots[column]))
-        pair_ptr.append(len(steps))
-    lengths = torch.tensor(pair_ptr[1:]) - torch.tensor(pair_ptr[:-1])
-    order = torch.sort(lengths, descending=True, stable=True).indices
-    flat = [v for step in steps for v in step]
-    return torch.cat([torch.tensor(pair_ptr), order, torch.tensor(flat, dtype=torch.long)]).int()
-
-
-def render(spec: KernelSpec) -> str:
-    package = codegen._environment()
-    environment = package.overlay(loader=jinja2.FileSystemLoader([str(TEMPLATE.parent), *package.loader.searchpath]))
-    return environment.get_template(TEMPLATE.name).render(
-        spec=spec, version=sparsecc.__version__, activation_codes=codegen.ACTIVATION_CODES,
-        unchecked_nonfinite=codegen.UNCHECKED_NONFINITE, gelu_polynomial=codegen.GELU_POLYNOMIAL,
-        guard_header_words=codegen.GUARD_HEADER_WORDS)
-
-
-def build_pairs(specs, folder: Path):
-    """spec -> runtime.Kernel of the prototype, built in parallel; failures as stderr tails."""
-    tools = build.toolchain()
-
-    def compile_one(spec):
-        source, library = folder / f"pairs_{spec.symbol}.cu", folder / f"pairs_{spec.symbol}.so"
-        source.write_text(render(spec))
-        done = subprocess.run(build.nvcc_command(spec, tools, source, library), capture_output=True, text=True)
-        return spec, library if done.returncode == 0 else None, done.stderr[-3000:]
-    kernels, failures = {}, {}
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        for spec, library, stderr in pool.map(compile_one, specs):
-            if library is None:
-                failures[spec.symbol] = stderr
-            else:
-                kernels[spec] = runtime.Kernel(spec, library)
-    return kernels, failures
-
-
-def pairs_call(kernel, values, meta, x, bias, n, k, activation="relu"):
-    m = x.shape[0]
+def pairs_call(kernel, packed, x, bias, activation="relu"):
+    """The pairs kernel on ``packed`` (its metadata's pair section), unchecked."""
+    m, n, k = x.shape[0], packed.out_features, packed.in_features
+    values, meta, pairs_at = packed.values.cuda(), packed.metadata.cuda(), packed.pairs_at
     y = torch.empty(m, n, dtype=x.dtype, device="cuda")
 
     def run():
         kernel.gemm(values.data_ptr(), meta.data_ptr(), x.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
-                    ACTIVATION_CODES[activation] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream)
+                    ACTIVATION_CODES[activation] | UNCHECKED_NONFINITE, torch.cuda.current_stream().cuda_stream,
+                    splits=pairs_at)
         return y
     return run
 
 
 def dispatched_call(packed, x, bias, n, k, values, meta):
     """sparsecc's dispatched kernel for this weight and M, unchecked."""
-    table = [launch for launch in packed.launches()]
+    table = packed.launches()
     text = gpu.dispatch_string(table, UNCHECKED_NONFINITE)
     runtime.ensure([launch.spec for _, launch in table], progress=False)
     return lambda: gpu.linear_kernel(x, values, meta, n, k, bias, "relu", False, False, text)
@@ -126,10 +72,9 @@ def check(kernels, dtype, gen):
             x = torch.randn(m, k, generator=gen).to(dtype).cuda()
             bias = torch.randn(n, generator=gen).to(dtype).cuda()
             packed = BsrKernelWeight.pack(w, block)
-            meta = pair_metadata(packed).cuda()
             act = {"relu": torch.relu, "gelu": F.gelu, "none": lambda t: t}[activation]
             ref = act(x.float() @ w.float().t() + bias.float())
-            y = pairs_call(kernel, packed.values.cuda(), meta, x, bias, n, k, activation)()
+            y = pairs_call(kernel, packed, x, bias, activation)()
             torch.cuda.synchronize()
             errors.append({"kernel": spec.symbol, "N": n, "K": k, "M": m, "activation": activation,
                            "rel_err": rel_err(y, ref)})
@@ -149,21 +94,16 @@ def main():
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks]
-    specs = [KernelSpec(Family.BSR_SM90_WGMMA, args.dtype, tile=(*b, t)) for b in blocks for t in args.tiles]
-    start = time.time()
-    kernels, failures = build_pairs(specs, Path(tempfile.mkdtemp()))
-    print(f"built in {time.time() - start:.0f} s", flush=True)
-    print("built", [spec.symbol for spec in kernels], flush=True)
-    for name, stderr in failures.items():
-        print("BUILD FAILED", name, stderr, flush=True)
+    specs = [KernelSpec(Family.BSR_SM90_PAIRS, args.dtype, tile=(*b, t)) for b in blocks for t in args.tiles]
+    kernels = runtime.ensure(specs, progress=False)
     gen = torch.Generator().manual_seed(0)
-    result = {"failures": failures, "check": check(kernels, dtype, gen), "rows": []}
+    result = {"check": check(kernels, dtype, gen), "rows": []}
     for block in blocks:
         for n, k in shapes:
             for density in args.densities:
                 w = block_weight(n, k, block[0], density, dtype, gen)
                 packed = BsrKernelWeight.pack(w, block)
-                values, meta, pairs_meta = packed.values.cuda(), packed.metadata.cuda(), pair_metadata(packed).cuda()
+                values, meta = packed.values.cuda(), packed.metadata.cuda()
                 for m in args.ms:
                     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
                     bias = torch.randn(n, generator=gen).to(dtype).cuda()
@@ -172,7 +112,7 @@ def main():
                              "dispatched": dispatched_call(packed, x, bias, n, k, values, meta)}
                     for spec, kernel in kernels.items():
                         if tuple(spec.tile[:2]) == block:
-                            calls[f"pairs{spec.tile[2]}"] = pairs_call(kernel, values, pairs_meta, x, bias, n, k)
+                            calls[f"pairs{spec.tile[2]}"] = pairs_call(kernel, packed, x, bias)
                     row = {"N": n, "K": k, "M": m, "density": density, "block": list(block)}
                     for name, fn in calls.items():
                         row[name + "_err"] = rel_err(fn(), ref)

@@ -135,10 +135,15 @@ def kernel_for_rows(m: int, block: tuple[int, int] = (0, 0), chunks_per_row: flo
     return kernel_for_bucket(bound, block, chunks_per_row, block_rows)
 
 
+def chunks_per_block(block: tuple[int, int]) -> int:
+    """The wgmma kernels' pipeline chunks (64 columns, or the block's width if narrower) per block."""
+    return max(1, block[1] // 64)
+
+
 def chunks_per_row_of(block: tuple[int, int], in_features: int, block_density: float) -> float:
-    """The pipeline chunks (64 columns, or the block's width if narrower) per block row of a weight
-    with this block, K and share of stored blocks, on average (the cost model's estimate)."""
-    return block_density * (in_features // block[1]) * max(1, block[1] // 64)
+    """The pipeline chunks per block row of a weight with this block, K and share of stored
+    blocks, on average (the cost model's estimate of :attr:`BsrKernelWeight.chunks_per_row`)."""
+    return block_density * (in_features // block[1]) * chunks_per_block(block)
 
 
 def pair_section(row_ptr: torch.Tensor, col: torch.Tensor, block_columns: int) -> torch.Tensor:
@@ -177,9 +182,9 @@ class BsrKernelWeight(KernelWeight):
 
     @property
     def chunks_per_row(self) -> float:
-        """The wgmma kernel's pipeline chunks (64 columns, or the block's width if narrower) per
-        block row, on average over the block rows."""
-        return self.values.shape[0] * max(1, self.block[1] // 64) / max(1, self.block_rows)
+        """The wgmma kernels' pipeline chunks (:func:`chunks_per_block`) per block row, on average
+        over the block rows."""
+        return self.values.shape[0] * chunks_per_block(tuple(self.block)) / max(1, self.block_rows)
 
     @property
     def longest_row(self) -> int:

@@ -1,6 +1,7 @@
 """What every benchmark shares: timing (CUDA events through triton's do_bench, median, as a
-CUDA-graph replay and as an eager call), the environment header and the results file (and the
-lab scripts' JSON, to $OUT)."""
+CUDA-graph replay and as an eager call), the relative error (sparsecc's own,
+:func:`sparsecc.ir.numerics.relative_error`), the shipped dispatch pinned (:func:`fixed_dispatch`),
+the environment header and the results file."""
 from __future__ import annotations
 
 import datetime
@@ -13,22 +14,40 @@ from pathlib import Path
 import torch
 
 import sparsecc
+from sparsecc.ir.numerics import relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+#: what the benchmarks import from here, the relative error among them: sparsecc's own
+#: (||got - want|| / ||want||, float64), the one compile's check and the tests use
+__all__ = ["RESULTS", "relative_error", "fixed_dispatch", "environment", "rotating", "time_eager_us",
+           "time_graph_us", "write", "bar_chart", "plot_per_dtype"]
+
+
+def fixed_dispatch() -> None:
+    """Measure the launches of the shipped tuning table (sparsecc/kernels/tuning.json), the
+    same on every run and machine: ``SPARSECC_TUNE=off`` (nothing is tuned, and nothing is
+    written to the per-machine table), and the per-machine table's entries, which
+    SPARSECC_TUNE=off still reads, left out for this process. Benchmarks that time sparsecc's
+    dispatch against competitors call it first when run as scripts (not when imported)."""
+    from sparsecc.kernels import tune
+    os.environ["SPARSECC_TUNE"] = "off"
+    tune.use(tune.TuningTable(tune.shipped_entries()))
 
 
 def environment(bench: str) -> dict:
     cuda = torch.cuda.is_available()
     return {"bench": bench, "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-            "sparsecc": sparsecc.__version__, "date": datetime.date.today().isoformat(), "rows": []}
+            "sparsecc": sparsecc.__version__, "tune": os.environ.get("SPARSECC_TUNE", "new"),
+            "date": datetime.date.today().isoformat(), "rows": []}
 
 
 def rotating(call, *tensors, nbytes: int | None = None, max_copies: int | None = None):
     """A no-argument function running ``call(*copy)`` over copies of ``tensors`` in turn, and
     the number of copies: enough that ``nbytes`` (default: the tensors' bytes) per copy add up
-    to sparsecc.timing.ROTATE_BYTES, so each call reads its weight from memory, not the L2."""
-    from sparsecc.timing import MAX_COPIES, copies_for
+    to sparsecc.runtime.timing.ROTATE_BYTES, so each call reads its weight from memory, not the L2."""
+    from sparsecc.runtime.timing import MAX_COPIES, copies_for
     nbytes = nbytes if nbytes is not None else sum(t.numel() * t.element_size() for t in tensors)
     copies = copies_for(nbytes, max_copies or MAX_COPIES)
     sets = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
@@ -46,14 +65,10 @@ def time_graph_us(fn, *, calls=10, warmup_ms=10, rep_ms=40) -> float:
     """Median microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph and
     replayed: kernel time without host overhead."""
     import triton.testing
-    from sparsecc.timing import capture_graph
+    from sparsecc.runtime.timing import capture_graph
     fn()                                  # warm up outside capture (module loads, handles)
     graph = capture_graph(fn, calls)
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3 / calls
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def write(result: dict, *, stem: str | None = None) -> Path:
@@ -62,15 +77,6 @@ def write(result: dict, *, stem: str | None = None) -> Path:
     gpu = result["device"].replace(" ", "_").replace("/", "_")
     path = RESULTS / f"{stem or result['bench']}-{gpu}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
-    return path
-
-
-def write_lab(data, name: str) -> Path:
-    """Write a lab script's ``data`` as JSON to $OUT/<name>.json (the folder the device machine
-    sends back; /tmp without $OUT) and return the path."""
-    path = Path(os.environ.get("OUT", "/tmp")) / f"{name}.json"
-    path.write_text(json.dumps(data, indent=1))
-    print("wrote", path)
     return path
 
 

@@ -1,8 +1,11 @@
 """Does the cost model choose well? On a grid of shapes x sparsity patterns x densities x M,
-time every exact candidate of each point (sparsecc.timing, the measurement the model is
-calibrated with) and compare with the model's choice and prediction. The choice is made as
+time every exact candidate of each point (sparsecc.runtime.timing, the measurement the model
+is calibrated with) and compare with the model's choice and prediction. The choice is made as
 compile makes it, by timing the shortlist the predictions make (a measurement of its own,
-before every candidate is timed for the row).
+before every candidate is timed for the row). Run as a script it sets ``SPARSECC_TUNE=off``
+and leaves this machine's tuned launches out (common.fixed_dispatch): sites on sparsecc's
+kernels run the shipped tuning table's launches, the same on every run, and nothing is tuned
+while the grid is timed.
 
     python benchmarks/cost_model.py --device cuda          # calibrates first, then the grid
     python benchmarks/cost_model.py --device cpu --calibration cached
@@ -29,11 +32,16 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from sparsecc import calibration as calib  # noqa: E402
-from sparsecc.analysis import analyze  # noqa: E402
-from sparsecc.cost import CostModel, exact_candidates  # noqa: E402
-from sparsecc.formats import FormatSpec  # noqa: E402
-from sparsecc.timing import site_runner, time_all_us  # noqa: E402
+if __name__ == "__main__":
+    common.fixed_dispatch()     # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+
+from sparsecc.ir.analysis import analyze  # noqa: E402
+from sparsecc.ir.formats import FormatSpec  # noqa: E402
+from sparsecc.ir.weights import random_weight  # noqa: E402
+from sparsecc.planner import fit as calib  # noqa: E402
+from sparsecc.planner.calibrate import calibrate  # noqa: E402
+from sparsecc.planner.cost import CostModel, exact_candidates, site_runner  # noqa: E402
+from sparsecc.runtime.timing import time_all_us  # noqa: E402
 
 PATTERNS = [("2:4", 0.5), ("block32", 0.5), ("block32", 0.25), ("block32", 0.1), ("block32", 0.05),
             ("block64", 0.5), ("block64", 0.1), ("unstructured", 0.3), ("unstructured", 0.1),
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
         result["device"] = calib.machine_key(device)[1]
     if args.calibration == "fresh":
         start = time.time()
-        calibration = calib.calibrate(device)
+        calibration = calibrate(device)
         result["calibration_s"] = round(time.time() - start, 1)
     elif args.calibration == "cached":
         calibration = calib.for_device(device)
@@ -173,7 +181,7 @@ def main(argv=None) -> int:
     kept = []                            # the CPU's points, for the later passes
     with tqdm(total=len(work) * len(grid_m), desc="cost-model grid", unit="point") as bar:
         for dtype, n, k, pattern, density in work:
-            weight = calib.random_weight(n, k, pattern, density, getattr(torch, dtype), device, generator)
+            weight = random_weight(n, k, pattern, density, getattr(torch, dtype), device, generator)
             stats = analyze(weight)
             for m in grid_m:
                 row = run_point(model, weight, stats, m, device)

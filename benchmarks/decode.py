@@ -1,11 +1,15 @@
 """Small batches (decode), linear + bias + ReLU on the GPU, side by side in one process:
 
 - ``cublas``: torch ``F.linear`` then ``relu`` (the baseline),
-- ``sparsecc-gemm``: sparsecc's 2:4 CUTLASS GEMM with its M dispatch table,
-- ``sparsecc-config`` rows: the small-batch 2:4 kernels in each of their tilings, on CUDA cores
-  (templates/gemv_sm90_sparse24, sparsecc.gpu.gemv_candidates: those of the batch's bucket) and
-  on tensor cores (templates/gemv_mma_sm90_sparse24, sparsecc.gpu.mma_candidates),
-- ``sparsecc``: the small-batch kernel and tiling fastest in this run, through the op.
+- ``sparsecc-gemm``: sparsecc's 2:4 CUTLASS GEMM with its M dispatch table (the shipped tuning
+  table's launches: run as a script this benchmark sets ``SPARSECC_TUNE=off`` and leaves this
+  machine's tuned launches out, common.fixed_dispatch, so every run measures the same ones),
+- ``sparsecc-config`` rows: the small-batch 2:4 kernels in each of the launches tuning chooses
+  among, on CUDA cores (templates/gemv_sm90_sparse24, ``Sparse24Gemv.candidates``: those of the
+  batch's bucket) and on tensor cores (templates/gemv_mma_sm90_sparse24,
+  ``Sparse24Mma.candidates``), in sparsecc.kernels.sparse24_small,
+- ``sparsecc``: the small-batch kernel and tiling fastest in this run (of those whose result
+  was right: sparsecc.kernels.tune.MAX_REL_ERR), through the op.
 
 M in {1, 4, 8, 16, 32, 64}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
 under CUDA-graph replay, ``us_eager`` called eagerly; every call reads its own copy of the
@@ -14,31 +18,44 @@ a model, not from the 50 MB L2 cache. The device's copy bandwidth is measured
 first (``copy_gbps``: a 1 GiB device-to-device copy, read + write bytes over time; ``read_gbps``:
 a sum over 1 GiB, read bytes over time); rows of the small-batch kernel carry ``gbps`` (the
 bytes they must read and write over ``us``), ``of_copy`` and ``of_read`` (that over the two).
-``--tuning-out`` writes the packaged tuning table with this run's small-batch winners added, and
-the 2:4 GEMM's time at each M (what sparsecc.gpu.small_batch_family weighs them against).
+The rows are results only: this benchmark writes no tuning table (tuning is the product's:
+``sparsecc tune``, sparsecc/kernels/tune.py).
 
-    python benchmarks/decode.py [--quick] [--ms 1 16] [--tuning-out sparsecc/tuning.json]
+    python benchmarks/decode.py [--quick] [--ms 1 16]
     python benchmarks/decode.py --shapes 2048x2048 8192x2048 --ms 1 16   # a model's shapes (decode_shapes-*.json)
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, fixed_dispatch, relative_error, time_eager_us, time_graph_us, write  # noqa: E402
+
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+
 from kernels import SHAPES, shape, two_four  # noqa: E402
 
-from sparsecc import gpu, runtime, tuning  # noqa: E402
-from sparsecc.codegen import Family  # noqa: E402
-from sparsecc.timing import copies_for  # noqa: E402
+from sparsecc.codegen.spec import Family  # noqa: E402
+from sparsecc.ir.formats import NM_2_4  # noqa: E402
+from sparsecc.kernels.base import finish_packing, launch_for  # noqa: E402
+from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA, Sparse24GemvWeight, Sparse24MmaWeight  # noqa: E402
+from sparsecc.kernels.tune import MAX_REL_ERR  # noqa: E402
+from sparsecc.runtime.kernel_op import ensure, linear_kernel  # noqa: E402
+from sparsecc.runtime.timing import copies_for  # noqa: E402
 
 MS = [1, 4, 8, 16, 32, 64]
+
+
+def small_batch_launches(dtype, shape) -> list:
+    """Every launch of the two small-batch 2:4 families that some batch bucket times."""
+    return list(dict.fromkeys(launch for family in (GEMV, MMA) for _, m in family.buckets
+                              for launch in family.candidates(dtype, shape, m)))
 
 
 def copy_bandwidth_gbps() -> float:
@@ -59,7 +76,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="two shapes")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--ms", nargs="*", type=int, default=MS, help="batch sizes (default: %(default)s)")
-    parser.add_argument("--tuning-out", help="write the tuning table with the small-batch winners here")
     parser.add_argument("--shapes", nargs="*", type=shape, metavar="NxK",
                         help="weight shapes (out x in features) measured instead of the six, e.g. a model's own "
                              "(written as decode_shapes-*.json)")
@@ -69,18 +85,19 @@ def main(argv=None) -> dict:
     result["copy_gbps"] = round(copy_bandwidth_gbps(), 1)
     result["read_gbps"] = round(read_bandwidth_gbps(), 1)
     print(f"copy bandwidth {result['copy_gbps']} GB/s, read {result['read_gbps']} GB/s", flush=True)
-    runtime.ensure([launch.spec for name in args.dtypes
-                    for launch in gpu.gemv_candidates(getattr(torch, name)) + gpu.mma_candidates(getattr(torch, name))])
+    ensure(dict.fromkeys(launch.spec for name in args.dtypes for n, k in shapes
+                         for launch in small_batch_launches(getattr(torch, name), (n, k))))
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         dtype = getattr(torch, name)
         for n, k in shapes:
             w = two_four(n, k, dtype, gen)
             bias = torch.randn(n, dtype=dtype, device="cuda")
-            gemm = gpu.CutlassSparse24Weight.from_dense(w, progress=False)
-            gemm_table = gpu.dispatch(Family.SM90_SPARSE24, dtype, n, k)
-            small = gpu.Sparse24GemvWeight.pack(w)
-            mma = gpu.Sparse24MmaWeight.pack(w)
+            gemm = GEMM.pack(w, NM_2_4, None)                        # the shipped table's dispatch
+            gemm_table = GEMM.dispatch(dtype, (n, k))
+            small = Sparse24GemvWeight.pack(w)                       # the layouts alone
+            mma = Sparse24MmaWeight.pack(w)
+            layouts = {Family.GEMV_SM90_SPARSE24: small, Family.GEMV_MMA_SM90_SPARSE24: mma}
             copies = copies_for(w.numel() * w.element_size())        # every call reads its own copy
 
             def copied(*tensors):
@@ -89,6 +106,7 @@ def main(argv=None) -> dict:
             small_w = {Family.GEMV_SM90_SPARSE24: copied(small.values, small.metadata),
                        Family.GEMV_MMA_SM90_SPARSE24: copied(mma.values, mma.metadata)}
             moved_w = {Family.GEMV_SM90_SPARSE24: small.nbytes, Family.GEMV_MMA_SM90_SPARSE24: mma.nbytes}
+            finish_packing(w.device)      # the small-batch kernels read their weight before they wait
             turn = itertools.count()
             for m in args.ms:
                 x = torch.randn(m, k, dtype=dtype, device="cuda")
@@ -99,30 +117,31 @@ def main(argv=None) -> dict:
                 def add(impl, fn, fmt="2:4", graph_only=False, **extra):
                     out = fn()
                     row = {"impl": impl, "format": fmt, **common, "us": time_graph_us(fn, calls=max(10, copies)),
-                           "us_eager": None if graph_only else time_eager_us(fn), "rel_err": rel_err(out, ref), **extra}
+                           "us_eager": None if graph_only else time_eager_us(fn), "rel_err": relative_error(out, ref),
+                           **extra}
                     result["rows"].append(row)
                     return row
 
                 def small_batch(launch):
-                    table, weights = gpu.dispatch_string([(0, launch)]), small_w[launch.spec.family]
-                    return lambda: gpu.linear_kernel(x, *weights[next(turn) % copies], n, k, bias, "relu", False, False,
-                                                     table)
+                    table = layouts[launch.spec.family].running([(0, launch)]).kernels
+                    weights = small_w[launch.spec.family]
+                    return lambda: linear_kernel(x, *weights[next(turn) % copies], n, k, bias, "relu", False, False,
+                                                 table)
 
                 base = add("cublas", lambda: torch.relu(F.linear(x, *dense_w[next(turn) % copies], bias)), fmt="dense")
-                gemm_launch = gpu.launch_for(gemm_table, m)
-                add("sparsecc-gemm", lambda: gpu.linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
-                                                               False, False, gemm.kernels),
-                    launch={"spec": json.loads(gemm_launch.spec.describe()), "swizzle": gemm_launch.swizzle,
-                            "splits": gemm_launch.splits})
+                gemm_launch = launch_for(gemm_table, m)
+                add("sparsecc-gemm", lambda: linear_kernel(x, *gemm_w[next(turn) % copies], n, k, bias, "relu",
+                                                           False, False, gemm.kernels),
+                    launch=gemm_launch.describe())
                 best = None
-                # CUDA cores up to their last bucket's rows of x (16), tensor cores at every M
-                cuda_cores = gpu.gemv_candidates(dtype, m) if m <= gpu.GEMV_BUCKETS[-2][0] else []
-                candidates = cuda_cores + gpu.mma_candidates(dtype, m)
+                # CUDA cores up to their last bounded bucket's rows of x (16), tensor cores at every M
+                cuda_cores = GEMV.candidates(dtype, (n, k), m) if m <= GEMV.buckets.bounds[-1] else []
+                candidates = cuda_cores + MMA.candidates(dtype, (n, k), m)
                 for launch in candidates:
                     row = add("sparsecc-config", small_batch(launch), graph_only=True, config=launch.label,
-                              launch={"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
-                                      "splits": launch.splits})
-                    if tuning.computed_right(row) and (best is None or row["us"] < best[1]["us"]):   # a wrong result never wins
+                              launch=launch.describe())
+                    right = row["rel_err"] <= MAX_REL_ERR[name]          # a wrong result (or NaN) never wins
+                    if right and (best is None or row["us"] < best[1]["us"]):
                         best = (launch, row)
                 if best is None:
                     raise RuntimeError(f"no small-batch launch computed {name} M={m} {n}x{k} right")
@@ -136,14 +155,6 @@ def main(argv=None) -> dict:
                       f"{base['us'] / row['us']:.2f}x over cuBLAS (eager {base['us_eager'] / row['us_eager']:.2f}x)",
                       flush=True)
         path = write(result)
-    if args.tuning_out:        # this run's winners replace the entries of what it measured
-        winners = tuning.winners(result["rows"], impls=("sparsecc-config", "sparsecc-gemm"))
-        measured = {(e["family"], e["dtype"], e["M"], e["N"], e["K"]) for e in winners}
-        kept = [e for e in tuning.table()["entries"]
-                if (e["family"], e["dtype"], e["M"], e["N"], e["K"]) not in measured]
-        with open(args.tuning_out, "w") as handle:
-            json.dump({**tuning.table(), "entries": kept + winners}, handle, indent=1)
-        print(f"wrote {len(winners)} small-batch and GEMM entries to {args.tuning_out}")
     plot(result, path.with_suffix(".png"))
     print("wrote", path)
     return result

@@ -5,12 +5,16 @@ ways sparsecc offers them, against Inductor's, in one process: ``inductor-graphs
 with ``cudagraphs=True`` (``sparsecc-backend-graphs``, also with Inductor's graph partition
 off). Each is called 5 times, then timed over 50 calls with a synchronize at the end
 (``us_eager``: per call from Python, host overhead included). Extra key:
-``non_static_inputs`` (inputs Inductor's CUDA graphs copy on every replay).
+``non_static_inputs`` (inputs Inductor's CUDA graphs copy on every replay). Run as a script it
+sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned launches out (common.fixed_dispatch):
+sparsecc's sites run the shipped tuning table's launches, the same on every run, and compiling
+tunes nothing.
 
     python benchmarks/decode_graphs.py
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -19,7 +23,10 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import bar_chart, environment, write  # noqa: E402
+from common import bar_chart, environment, fixed_dispatch, write  # noqa: E402
+
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
 
 import sparsecc  # noqa: E402
 from sparsecc.backend import make_backend  # noqa: E402
@@ -38,7 +45,8 @@ def per_call_us(fn, ids) -> float:
     return (time.perf_counter() - start) / 50 * 1e6
 
 
-def main() -> dict:
+def main(argv=None) -> dict:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     result = environment("decode_graphs")
     model, ids = load("llama-1b", batch=1, seq=1)
     model = model.half().cuda().eval()

@@ -13,15 +13,16 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
   benchmark gives ViT's SDPA an attention implementation name of its own
   (:func:`unmasked_attention`), for which ``transformers`` builds no mask: every impl, eager
   and compiled, then runs the same fused attention kernel. BERT-large keeps the mask (and the
-  fp32 math path, 8.5 of Inductor's 14.2 ms on an H100) for every impl alike;
-  ``lab/bert_unmasked.py`` measures it with the unmasked attention.
+  fp32 math path, 8.5 of Inductor's 14.2 ms on an H100) for every impl alike.
 
 fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null).
 Rows carry ``model`` and ``impl`` and ``rel_err`` against the eager output. ``impl``:
 eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``) and sparsecc-graphs
 (``torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")``), where host
-overhead is gone on both sides.
+overhead is gone on both sides. Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this
+machine's tuned launches out (common.fixed_dispatch): sparsecc's sites run the shipped tuning
+table's launches, the same on every run, and compiling tunes nothing.
 
     python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...]
     python benchmarks/e2e.py --plot results/e2e-<gpu>-<date>.json     # redraw a results file's plot
@@ -35,9 +36,13 @@ import sys
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import RESULTS, environment, rel_err, time_eager_us, write  # noqa: E402
+from common import RESULTS, environment, fixed_dispatch, relative_error, time_eager_us, write  # noqa: E402
+
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
 
 import sparsecc  # noqa: E402
+from sparsecc.backend import register  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 CASES = {
@@ -87,6 +92,7 @@ def main(argv=None) -> dict:
         result = json.loads(open(args.plot).read())
         plot(result, __import__("pathlib").Path(args.plot).with_suffix(".png"))
         return result
+    register()                  # backend="sparsecc" (an installed sparsecc's entry point does it too)
     result = environment("e2e")
     # the models' attention depends on it: some versions build ViT's all-visible mask under
     # torch.compile (not eagerly), which sends SDPA to its fp32 math path (README)
@@ -113,7 +119,7 @@ def main(argv=None) -> dict:
                        "M": batch * max(seq, 1), "N": None, "K": None, "dtype": "float16", "epilogue": None,
                        "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
                        "us": None, "us_eager": time_eager_us(lambda: fn(inputs), warmup_ms=50, rep_ms=300),
-                       "rel_err": rel_err(out, reference)}
+                       "rel_err": relative_error(out, reference)}
                 result["rows"].append(row)
                 print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One session on a GPU machine with no network: install the carried CUTLASS wheel and
 # sparsecc, build the kernels (the carried cache .kcache/ is reused when the compiler
-# matches), run the GPU tests and the kernel benchmark. Logs and results go to $OUT.
+# matches), run the GPU tests (pytest -m gpu: the tests marked gpu, tests/**/*_gpu.py; GPU_TESTS
+# names other paths) and the kernel benchmark. Logs and results go to $OUT.
 # KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=dense what
 # kernels.py --dense-only sweeps, KERNELS=csr-split what the split CSR tests and
 # kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
-# (e2e.py, decode.py, kernels.py and cost_model.py run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS /
-# COST_ARGS are set, possibly empty; HOST=0 skips host_overhead.py)
+# (e2e.py, decode.py, kernels.py, cost_model.py and unseen_shapes.py run only when E2E_ARGS / DECODE_ARGS /
+# BENCH_ARGS / COST_ARGS / UNSEEN_ARGS are set, possibly empty; HOST=0 skips host_overhead.py; TESTS=0 the tests)
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 touch /tmp/session-start      # results written after this are copied to $OUT at the end
@@ -33,7 +34,7 @@ import sys, time
 sys.path.insert(0, "benchmarks")
 import os
 import kernel_set
-from sparsecc import build
+from sparsecc.runtime import build
 specs = kernel_set.named_session_specs(os.environ.get("KERNELS"))
 start = time.time()
 build.build(specs, progress=False)
@@ -47,23 +48,23 @@ start = time.time()
 import torch, sparsecc
 import os
 import kernel_set
-from sparsecc import runtime
+from sparsecc.runtime.kernel_op import ensure
 imported = time.time()
-kernels = runtime.ensure(kernel_set.named_session_specs(os.environ.get("KERNELS")), progress=False)
+kernels = ensure(kernel_set.named_session_specs(os.environ.get("KERNELS")), progress=False)
 print(f"warm cache: loaded {len(kernels)} kernels in {time.time()-imported:.2f} s (imports {imported-start:.2f} s)")
 PY
 # with PROBE=1: one kernel compiled from scratch into an empty cache, timed (in the background)
 touch /tmp/probe.txt
 [ "${PROBE:-0}" = 1 ] && python3 - > /tmp/probe.txt 2>&1 <<'PY' &
 import time
-from sparsecc import build
-from sparsecc.codegen import Family, KernelSpec
+from sparsecc.runtime import build
+from sparsecc.codegen.spec import Family, KernelSpec
 for spec in (KernelSpec(Family.SM90_SPARSE24, "float16", tile=(256, 64, 128)), KernelSpec(Family.SM90_DENSE, "bfloat16", tile=(64, 256, 64), schedule="pingpong")):
     start = time.time(); build.build([spec], cache=build.KernelCache("/tmp/probe-cache"), progress=False)
     print(f"{spec.symbol} compiled from scratch in {time.time()-start:.1f} s")
 PY
 PROBE_PID=$!
-[ "${TESTS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${GPU_TESTS:-tests/test_gpu_*.py} -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+[ "${TESTS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
 # the benchmarks below time the host too: none of them runs while the probe compiles
 wait $PROBE_PID 2>/dev/null
 [ "${HOST:-1}" = 1 ] && python3 benchmarks/host_overhead.py 2>&1 | tee -a "$OUT/session.log" | tail -7
@@ -71,6 +72,13 @@ wait $PROBE_PID 2>/dev/null
 [ -n "${E2E_ARGS+x}" ] && timeout ${E2E_TIMEOUT:-400} python3 benchmarks/e2e.py $E2E_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
 [ -n "${DECODE_ARGS+x}" ] && timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/decode.py $DECODE_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -40
 [ -n "${BENCH_ARGS+x}" ] && timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels.py $BENCH_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -25
+# unseen_shapes.py once per set of arguments in UNSEEN_ARGS, the sets separated by '|'
+if [ -n "${UNSEEN_ARGS:-}" ]; then
+  IFS='|' read -ra UNSEEN_RUNS <<< "$UNSEEN_ARGS"
+  for run in "${UNSEEN_RUNS[@]}"; do
+    timeout ${UNSEEN_TIMEOUT:-400} python3 benchmarks/unseen_shapes.py $run 2>&1 | tee -a "$OUT/unseen.log" | tail -12
+  done
+fi
 cat /tmp/probe.txt | tee -a "$OUT/session.log"
-find benchmarks/results sparsecc -maxdepth 1 -newer /tmp/session-start \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT/" \;
+find benchmarks/results -maxdepth 1 -newer /tmp/session-start \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT/" \;
 ls "$OUT"

@@ -2,15 +2,22 @@
 
 - ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` (the baseline),
 - ``torch-semi-structured``: ``to_sparse_semi_structured`` (cuSPARSELt) then ``relu``,
-- ``sparsecc-dense``: sparsecc's dense kernels, epilogue fused (its M dispatch table: the
-  small-batch tensor-core kernel where the sweep measured it faster, the CUTLASS GEMM elsewhere),
-- ``sparsecc``: sparsecc's 2:4 CUTLASS kernel, epilogue fused (its M dispatch table),
+- ``sparsecc-dense``: sparsecc's dense kernels, epilogue fused (the dense family's M dispatch
+  table: the small-batch tensor-core kernel where the table has it faster, the CUTLASS GEMM
+  elsewhere),
+- ``sparsecc``: sparsecc's 2:4 CUTLASS GEMM, epilogue fused (its M dispatch table),
 - ``sparsecc-unchecked``: the same under SPARSECC_NONFINITE=unchecked (no NaN/Inf pass),
 - ``sparsecc-nonfinite-pass``: the part of ``sparsecc`` that makes NaN and Inf of x propagate
   as in dense (one read of x after the product), timed alone,
-- ``sparsecc-config`` rows: every launch (tiling and scheduler knobs) sparsecc can dispatch
-  to, measured first (``--sweep``); their winners update the tuning table (``--tuning-out``,
-  copied to sparsecc/tuning.json) and the rows above are then measured with it.
+- ``sparsecc-config`` rows (``--sweep``): every candidate launch (tiling and scheduler knobs)
+  that tuning chooses among for these families, each timed alone. They are results only:
+  tuning is the product's (``sparsecc tune``, sparsecc/kernels/tune.py), and this benchmark
+  writes no tuning table.
+
+The dispatch tables are the shipped tuning table's (sparsecc/kernels/tuning.json, the nearest
+shape it holds): run as a script this benchmark sets ``SPARSECC_TUNE=off`` and leaves this
+machine's tuned launches out (common.fixed_dispatch), so a run measures the same launches on
+every machine and every run.
 
 Each is timed as a CUDA-graph replay (``us``, kernel time: speedups are quoted on these) and
 eagerly (``us_eager``, what a caller without graphs sees), and checked against an fp32
@@ -18,7 +25,7 @@ reference (``rel_err``). Extra keys: ``config`` (launch label) and ``launch`` (i
 knobs) on per-config rows, ``error`` when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
 and a plot beside it.
 
-    python benchmarks/kernels.py [--quick] [--sweep float16] [--tuning-out PATH] [--dense-only] [--ms 1 16]
+    python benchmarks/kernels.py [--quick] [--sweep float16] [--dense-only] [--ms 1 16]
     python benchmarks/kernels.py --shapes 1024x1024 4096x1024 --ms 4096 [--sparse-only]   # a model's shapes (kernels_shapes-*.json)
     python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
     python benchmarks/kernels.py --csr [kernels_csr.py options]    # the unstructured kernel
@@ -26,24 +33,29 @@ and a plot beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, rel_err, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, fixed_dispatch, relative_error, time_eager_us, time_graph_us, write  # noqa: E402
 
-from sparsecc import gpu, runtime, tuning  # noqa: E402
-from sparsecc.codegen import Family  # noqa: E402
-from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+
+from sparsecc.ir.epilogue import UNCHECKED_NONFINITE  # noqa: E402
+from sparsecc.kernels.dense import SMALL as DENSE_SMALL  # noqa: E402
+from sparsecc.kernels.dense import DenseGemm  # noqa: E402
+from sparsecc.kernels.dense_small import DenseWeight  # noqa: E402
+from sparsecc.kernels.sparse24_small import GEMM  # noqa: E402
+from sparsecc.runtime.kernel_op import ensure, kernel_for, linear_kernel  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [1, 16, 128, 2048, 8192]
+DENSE_GEMM = DenseGemm()
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -78,21 +90,21 @@ def main(argv=None) -> dict:
                         help="dtypes whose candidate launches are all measured (none: skip)")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--sweep-ms", nargs="*", type=int, help="batch sizes the sweep measures (default: those measured)")
-    parser.add_argument("--tuning-out", help="write the winning launches here (a tuning table)")
     parser.add_argument("--dense-only", action="store_true", help="the dense kernels and cuBLAS alone")
     parser.add_argument("--sparse-only", action="store_true", help="the 2:4 kernels and their competitors alone")
     parser.add_argument("--ms", nargs="*", type=int, help="batch sizes measured (default: %s)" % MS)
     parser.add_argument("--shapes", nargs="*", type=shape, metavar="NxK",
-                        help="weight shapes (out x in features) measured instead of the issue's six, e.g. a "
+                        help="weight shapes (out x in features) measured instead of the six default ones, e.g. a "
                              "model's own (default: %s)" % " ".join(f"{n}x{k}" for n, k in SHAPES))
     args = parser.parse_args(argv)
     shapes, ms = (SHAPES[:1] + SHAPES[3:4], [1, 128, 2048]) if args.quick else (args.shapes or SHAPES, args.ms or MS)
     if args.dense_only and args.sparse_only:
         parser.error("--dense-only and --sparse-only exclude each other")
-    families = (([] if args.sparse_only else [Family.SM90_DENSE, Family.GEMV_MMA_SM90_DENSE])
-                + ([] if args.dense_only else [Family.SM90_SPARSE24]))
+    # the families whose dispatch is measured, and those whose candidates the sweep times
+    families = ([] if args.sparse_only else [DENSE_GEMM]) + ([] if args.dense_only else [GEMM])
+    swept = ([] if args.sparse_only else [DENSE_GEMM, DENSE_SMALL]) + ([] if args.dense_only else [GEMM])
     result = environment("kernels_shapes" if args.shapes else "kernels")   # a model's shapes: a file of their own
-    result["dispatch"] = "tuning table (packaged, updated by this run's sweep)" if tuning.table()["entries"] else "defaults"
+    result["dispatch"] = "the shipped tuning table (sparsecc/kernels/tuning.json), SPARSECC_TUNE=off"
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         dtype = getattr(torch, name)
@@ -100,28 +112,29 @@ def main(argv=None) -> dict:
         for n, k in shapes:
             w = two_four(n, k, dtype, gen)
             bias = torch.randn(n, generator=gen).to(dtype).cuda()
-            weights[(n, k)] = (w, bias, None if args.dense_only else gpu.CutlassSparse24Weight.from_dense(w))
-        if name in args.sweep:              # 1: every candidate launch; the winners become the dispatch tables
-            launches = [launch for family in families for launch in gpu.candidates(family, dtype)]
-            runtime.ensure([launch.spec for launch in launches])
+            weights[(n, k)] = (w, bias, None if args.dense_only else GEMM.layout(w))   # compressed, no dispatch
+        if name in args.sweep:              # 1: every candidate launch, each alone (results only)
+            sweep_ms = [m for m in ms if args.sweep_ms is None or m in args.sweep_ms]
+            candidates = {(n, k, m): [launch for family in swept if family.max_m is None or m <= family.max_m
+                                      for launch in family.candidates(dtype, (n, k), m)]
+                          for n, k in shapes for m in sweep_ms}
+            ensure(dict.fromkeys(launch.spec for launches in candidates.values() for launch in launches))
             for (n, k), (w, bias, packed) in weights.items():
-                for m in [m for m in ms if args.sweep_ms is None or m in args.sweep_ms]:
+                for m in sweep_ms:
+                    launches = candidates[(n, k, m)]
                     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
                     ref = torch.relu(x.float() @ w.float().t() + bias.float())
                     base = {"M": m, "N": n, "K": k, "dtype": name, "epilogue": "bias+relu", "block": None}
                     for launch in launches:
-                        if launch.spec.family is not Family.GEMV_MMA_SM90_DENSE or m <= gpu.SMALL_BATCH_DENSE_MAX_M:
-                            result["rows"].append(measure_launch(launch, x, w, bias, packed, ref, base))
-            tuning.use(merged_table(result["rows"]))
-        tables = {(family, n, k): gpu.dispatch(family, dtype, n, k)
-                  for family in families if family is not Family.GEMV_MMA_SM90_DENSE for n, k in shapes}
-        runtime.ensure([launch.spec for table in tables.values() for _, launch in table])
-        for (n, k), (w, bias, packed) in weights.items():   # 2: what a user runs, with those tables
-            dense_table = None if args.sparse_only else gpu.dispatch_string(tables[(Family.SM90_DENSE, n, k)])
+                        result["rows"].append(measure_launch(launch, x, w, bias, packed, ref, base))
+        tables = {(family.name, n, k): family.dispatch(dtype, (n, k)) for family in families for n, k in shapes}
+        ensure([launch.spec for table in tables.values() for _, launch in table])
+        for (n, k), (w, bias, packed) in weights.items():   # 2: the dispatch a user runs (the shipped table)
+            dense = None if args.sparse_only else DenseWeight.of(w).running(tables[(DENSE_GEMM.name, n, k)])
             w_semi = None                   # the 2:4 competitors, unless --dense-only
             if not args.dense_only:
-                sparse_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)])
-                unchecked_table = gpu.dispatch_string(tables[(Family.SM90_SPARSE24, n, k)], UNCHECKED_NONFINITE)
+                sparse = packed.running(tables[(GEMM.name, n, k)])
+                unchecked = packed.running(tables[(GEMM.name, n, k)], UNCHECKED_NONFINITE)
                 try:
                     from torch.sparse import to_sparse_semi_structured
                     w_semi = to_sparse_semi_structured(w)
@@ -132,11 +145,9 @@ def main(argv=None) -> dict:
                 ref = torch.relu(x.float() @ w.float().t() + bias.float())
                 impls = {
                     "cublas": lambda: torch.relu(F.linear(x, w, bias)),
-                    "sparsecc-dense": lambda: gpu.linear_kernel(x, w, None, n, k, bias, "relu", False, False, dense_table),
-                    "sparsecc": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias, "relu",
-                                                          False, False, sparse_table),
-                    "sparsecc-unchecked": lambda: gpu.linear_kernel(x, packed.values, packed.metadata, n, k, bias,
-                                                                    "relu", False, False, unchecked_table),
+                    "sparsecc-dense": lambda: run_packed(dense, x, bias),
+                    "sparsecc": lambda: run_packed(sparse, x, bias),
+                    "sparsecc-unchecked": lambda: run_packed(unchecked, x, bias),
                 }
                 if args.dense_only:
                     impls = {impl: impls[impl] for impl in ("cublas", "sparsecc-dense")}
@@ -150,14 +161,14 @@ def main(argv=None) -> dict:
                     row = {"impl": impl, "format": "dense" if impl in ("cublas", "sparsecc-dense") else "2:4",
                            "density": 1.0 if impl in ("cublas", "sparsecc-dense") else 0.5, **base}
                     try:
-                        row["rel_err"] = rel_err(fn(), ref)
+                        row["rel_err"] = relative_error(fn(), ref)
                         row["us"] = time_graph_us(fn)
                         row["us_eager"] = time_eager_us(fn)
                     except Exception as error:  # noqa: BLE001
                         row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
                     point.append(row)
                 if not args.dense_only:
-                    point.append(measure_nonfinite_pass(x, packed, sparse_table, base))
+                    point.append(measure_nonfinite_pass(x, sparse, base))
                 if isinstance(w_semi, Exception):
                     point.append({"impl": "torch-semi-structured", "format": "2:4", "density": 0.5, **base,
                                   "us": None, "us_eager": None, "rel_err": None, "error": str(w_semi)[:300]})
@@ -165,20 +176,21 @@ def main(argv=None) -> dict:
                 print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} " + " ".join(
                     f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)
     path = write(result)
-    if args.tuning_out:
-        table = dict(tuning.table(), device=result["device"], torch=result["torch"], cuda=result["cuda"],
-                     date=result["date"], source=path.name)
-        Path(args.tuning_out).write_text(json.dumps(table, indent=1))
-        print("wrote", args.tuning_out)
     plot(result, path.with_suffix(".png"))
     print_summary(result)
     print("wrote", path)
     return result
 
 
-def measure_nonfinite_pass(x, packed, table, base) -> dict:
+def run_packed(packed, x, bias):
+    """``relu(x W^T + bias)`` on sparsecc's op with ``packed``'s tensors and dispatch table."""
+    n, k = packed.shape
+    return linear_kernel(x, packed.values, packed.metadata, n, k, bias, "relu", False, False, packed.kernels)
+
+
+def measure_nonfinite_pass(x, packed, base) -> dict:
     """The NaN/Inf pass of the 2:4 GEMM alone (it is part of the ``sparsecc`` time): graph replay."""
-    kernel = gpu.kernel_for(table, x.shape[0])[0]
+    kernel = kernel_for(packed.kernels, x.shape[0])[0]
     y = torch.empty(x.shape[0], base["N"], dtype=x.dtype, device=x.device)
     fn = lambda: kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(), base["N"],  # noqa: E731
                                             x.shape[0], base["K"], torch.cuda.current_stream().cuda_stream)
@@ -187,30 +199,20 @@ def measure_nonfinite_pass(x, packed, table, base) -> dict:
 
 
 def measure_launch(launch, x, w, bias, packed, ref, base) -> dict:
-    """One candidate launch at one point (graph replay time only)."""
-    n, k = w.shape
-    sparse = launch.spec.family is Family.SM90_SPARSE24
-    a, e = (packed.values, packed.metadata) if sparse else (w, None)
-    table = gpu.dispatch_string([(0, launch)])
-    fn = lambda: gpu.linear_kernel(x, a, e, n, k, bias, "relu", False, False, table)  # noqa: E731
+    """One candidate launch at one point (graph replay time only): the 2:4 GEMM's on the
+    compressed weight ``packed``, the dense kernels' on ``w``."""
+    sparse = launch.spec.family.sparse
+    one = (packed if sparse else DenseWeight.of(w)).running([(0, launch)])
+    fn = lambda: run_packed(one, x, bias)  # noqa: E731
     row = {"impl": "sparsecc-config", "format": "2:4" if sparse else "dense", "density": 0.5 if sparse else 1.0,
-           "config": launch.label, "launch": {"spec": json.loads(launch.spec.describe()), "swizzle": launch.swizzle,
-                                              "splits": launch.splits}, **base}
+           "config": launch.label, "launch": launch.describe(), **base}
     try:
-        row["rel_err"] = rel_err(fn(), ref)
+        row["rel_err"] = relative_error(fn(), ref)
         row["us"] = time_graph_us(fn)
         row["us_eager"] = None
     except Exception as error:  # noqa: BLE001
         row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
     return row
-
-
-def merged_table(rows) -> dict:
-    """The current tuning table with this run's winners replacing the entries they measured."""
-    fresh = tuning.winners(rows)
-    measured = {(e["family"], e["dtype"], e["M"], e["N"], e["K"]) for e in fresh}
-    kept = [e for e in tuning.table()["entries"] if (e["family"], e["dtype"], e["M"], e["N"], e["K"]) not in measured]
-    return {"entries": kept + fresh}
 
 
 def speedups(result: dict, impl: str, dtype: str, min_m: int = 0, key: str = "us") -> dict:

@@ -11,9 +11,11 @@
 - ``sparsecc-bsr-one-row``: where the dispatch runs the pairs kernel (two block rows per CTA),
   the one-row wgmma kernel with 128 rows of x per CTA that ran there before, for comparison;
 - ``sparsecc-bsr-wgmma``: at 2 to 16 rows of x (where the dispatch runs the small-batch mma
-  kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison;
-- ``sparsecc-bsr-streaming``: at one row of x, the streaming CUDA-core kernel that ran there
-  before the mma kernel, for comparison.
+  kernel), the wgmma kernel with 64 rows of x per CTA that ran there before, for comparison.
+
+The BSR kernels' dispatch depends on the packed weight only (no tuning table); run as a
+script this benchmark still sets ``SPARSECC_TUNE=off`` (common.fixed_dispatch), as every
+benchmark that times sparsecc's dispatch against competitors does.
 
 Weights have exactly ``density`` of their blocks stored (random positions, random values). At
 M <= 64 every call reads its own copy of its weight (common.rotating; torch's Triton kernel
@@ -35,12 +37,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, plot_per_dtype, rel_err, rotating, time_eager_us, time_graph_us, write  # noqa: E402
+from common import (environment, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
+                    time_eager_us, time_graph_us, write)
 
-from sparsecc import gpu, runtime  # noqa: E402
-from sparsecc.bsr_kernel import BsrKernelWeight  # noqa: E402
-from sparsecc.codegen import Family, KernelSpec  # noqa: E402
-from sparsecc.epilogue import UNCHECKED_NONFINITE  # noqa: E402
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off (see the docstring)
+
+from sparsecc.codegen.spec import Family, KernelSpec  # noqa: E402
+from sparsecc.ir.epilogue import UNCHECKED_NONFINITE  # noqa: E402
+from sparsecc.ir.formats import FormatSpec  # noqa: E402
+from sparsecc.kernels.base import Launch, nonfinite_flags  # noqa: E402
+from sparsecc.kernels.registry import BSR  # noqa: E402
+from sparsecc.runtime.kernel_op import ensure, kernel_for, linear_kernel  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [2048, 8192]
@@ -64,7 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ms", nargs="*", type=int, default=MS)
     parser.add_argument("--blocks", nargs="*", type=int, default=BLOCKS)
     parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
-    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the 2:4 issue's six)")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels.py)")
     parser.add_argument("--no-triton", action="store_true", help="leave torch's Triton kernel out")
     parser.add_argument("--stem", default=None, help="results file name stem (default kernels_bsr)")
     args = parser.parse_args(argv)
@@ -78,8 +86,8 @@ def main(argv=None) -> dict:
             for block in args.blocks:
                 for density in args.densities:
                     w = block_weight(n, k, block, density, dtype, gen)
-                    packed = BsrKernelWeight.from_dense(w, (block, block))
-                    unchecked = gpu.dispatch_string(packed.launches(), UNCHECKED_NONFINITE)
+                    packed = BSR.pack(w, FormatSpec("bsr", block=(block, block)), None)
+                    unchecked = packed.running(packed.launches(), UNCHECKED_NONFINITE).kernels
                     w_bsr = w.to_sparse_bsr((block, block))
                     for m in args.ms:
                         result["rows"] += measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name,
@@ -98,26 +106,22 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
 
     def on_kernels(table):
-        return lambda values, metadata: gpu.linear_kernel(x, values, metadata, n, k, bias, "relu", False, False, table)
+        return lambda values, metadata: linear_kernel(x, values, metadata, n, k, bias, "relu", False, False, table)
     impls = {
         "cublas": (lambda w: torch.relu(F.linear(x, w, bias)), (w,)),
         "sparsecc-bsr": (on_kernels(packed.kernels), (packed.values, packed.metadata)),
         "sparsecc-bsr-unchecked": (on_kernels(unchecked), (packed.values, packed.metadata)),
     }
-    if gpu.kernel_for(packed.kernels, m)[0].spec.family is Family.BSR_SM90_PAIRS:
-        one_row = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 128)))
-        runtime.ensure([one_row.spec], progress=False)
-        impls["sparsecc-bsr-one-row"] = (on_kernels(gpu.dispatch_string([(0, one_row)], gpu.nonfinite_flags())),
+    if kernel_for(packed.kernels, m)[0].spec.family is Family.BSR_SM90_PAIRS:
+        one_row = Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 128)))
+        ensure([one_row.spec], progress=False)
+        impls["sparsecc-bsr-one-row"] = (on_kernels(packed.running([(0, one_row)], nonfinite_flags()).kernels),
                                          (packed.values, packed.metadata))
     if 1 < m <= 16:
-        wgmma = gpu.Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
-        impls["sparsecc-bsr-wgmma"] = (on_kernels(gpu.dispatch_string([(0, wgmma)], gpu.nonfinite_flags())),
+        wgmma = Launch(KernelSpec(Family.BSR_SM90_WGMMA, name, tile=(block, block, 64)))
+        ensure([wgmma.spec], progress=False)
+        impls["sparsecc-bsr-wgmma"] = (on_kernels(packed.running([(0, wgmma)], nonfinite_flags()).kernels),
                                        (packed.values, packed.metadata))
-    if m == 1:
-        streaming = gpu.Launch(KernelSpec(Family.BSR_SM90, name, tile=(block, block, 1)))
-        runtime.ensure([streaming.spec], progress=False)       # (no longer in the weight's dispatch table)
-        impls["sparsecc-bsr-streaming"] = (on_kernels(gpu.dispatch_string([(0, streaming)], gpu.nonfinite_flags())),
-                                           (packed.values, packed.metadata))
     if triton:
         from torch.sparse._triton_ops import bsr_dense_mm
         impls["torch-bsr-triton"] = (lambda: torch.relu(bsr_dense_mm(w_bsr, x.t()).t() + bias), ())   # one copy
@@ -129,13 +133,13 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
                "nbytes": w.numel() * w.element_size() if impl == "cublas" else packed.nbytes}
         try:
             fn = rotating(call, *tensors)[0] if m <= 64 else (lambda: call(*tensors))
-            row["rel_err"] = rel_err(fn(), ref)
+            row["rel_err"] = relative_error(fn(), ref)
             row["us"] = time_graph_us(fn)
             row["us_eager"] = time_eager_us(fn)
         except Exception as error:  # noqa: BLE001 - recorded in the results
             row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
         point.append(row)
-    kernel = gpu.kernel_for(packed.kernels, m)[0]
+    kernel = kernel_for(packed.kernels, m)[0]
     y = torch.empty(m, n, dtype=dtype, device="cuda")
     pass_alone = lambda: kernel.propagate_nonfinite(packed.metadata.data_ptr(), x.data_ptr(), y.data_ptr(),  # noqa: E731
                                                     n, m, k, torch.cuda.current_stream().cuda_stream)
@@ -161,8 +165,8 @@ def geomean(values) -> float:
 
 
 def print_summary(result: dict) -> None:
-    """Per dtype, block and density: the speedup over cuBLAS at N, K >= 4096 against the
-    issue's 0.6/d bar, and how often sparsecc beats torch's Triton kernel."""
+    """Per dtype, block and density: the speedup over cuBLAS at N, K >= 4096 against 0.6/d (what
+    block sparsity could give), and how often sparsecc beats torch's Triton kernel."""
     for dtype in sorted({r["dtype"] for r in result["rows"]}):
         for impl in ("sparsecc-bsr", "sparsecc-bsr-unchecked"):
             data = speedups(result, impl, dtype)
@@ -171,7 +175,7 @@ def print_summary(result: dict) -> None:
                 big = [s for p, s in data.items() if p[3:] == (block, density) and min(p[1], p[2]) >= 4096]
                 triton = [s for p, s in vs_triton.items() if p[3:] == (block, density)]
                 print(f"{dtype:8s} {impl:22s} b{block:<3d} d={density:<5g} over cuBLAS (N,K>=4096): geomean "
-                      f"{geomean(big):.2f} min {min(big, default=math.nan):.2f} (bar {0.6 / density:.1f}); "
+                      f"{geomean(big):.2f} min {min(big, default=math.nan):.2f} (0.6/d = {0.6 / density:.1f}); "
                       f"over Triton BSR: min {min(triton, default=math.nan):.2f} geomean {geomean(triton):.2f}")
 
 

@@ -7,10 +7,16 @@
 - ``sparsecc-csr``: sparsecc's tiled CSR kernels, epilogue and transpose fused (its M dispatch table:
   csr_sm90 up to 16 rows of x, csr_wgmma_sm90 beyond),
 - ``sparsecc-csr-split``: the weight split into a 2:4 part on sparsecc's 2:4 kernels and a
-  residual pass (sparsecc.csr_split), packed for each M as compile packs a site planned for it;
+  residual pass (sparsecc.kernels.csr_split), packed for each M as compile packs a site planned
+  for it (the 2:4 part's family and launches from the shipped tuning table, see below);
   with ``--residual-modes`` also each mode of the residual pass forced
   (``sparsecc-csr-split-gather``, ``-staged``, ``-transposed``),
-- ``sparsecc-csr-spmm``: sparsecc's CUDA-core CSR kernel (sparsecc.csr_spmm), up to density 0.1.
+- ``sparsecc-csr-spmm``: sparsecc's CUDA-core CSR kernel (sparsecc.kernels.csr_spmm), up to density 0.1.
+
+Run as a script this benchmark sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned
+launches out (common.fixed_dispatch): the split weight's 2:4 part runs the shipped tuning
+table's launches (sparsecc/kernels/tuning.json), the same on every run and machine, and
+packing tunes nothing.
 
 Weights keep each element with probability ``density`` (random values). Every call of an
 implementation reads its own copy of the weight, cycling through enough copies (128 MB in
@@ -33,19 +39,26 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, plot_per_dtype, rel_err, rotating, time_eager_us, time_graph_us, write  # noqa: E402
+from common import (environment, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
+                    time_eager_us, time_graph_us, write)
+
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+
 from kernels_bsr import geomean  # noqa: E402
 
-from sparsecc import gpu  # noqa: E402
-from sparsecc.csr_kernel import CsrKernelWeight  # noqa: E402
-from sparsecc.csr_split import GATHER, STAGED, TRANSPOSED, CsrSplitWeight, linear_split  # noqa: E402
-from sparsecc.csr_spmm import CsrSpmmWeight  # noqa: E402
-from sparsecc.kernel_packing import SPMM_MAX_DENSITY  # noqa: E402
+from sparsecc.ir.formats import FormatSpec  # noqa: E402
+from sparsecc.kernels.csr_split import GATHER, STAGED, TRANSPOSED, linear_split  # noqa: E402
+from sparsecc.kernels.csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY  # noqa: E402
+from sparsecc.kernels.registry import CSR_SPLIT, CSR_SPMM, CSR_TILED  # noqa: E402
+from sparsecc.runtime.kernel_op import linear_kernel  # noqa: E402
+
+CSR = FormatSpec("csr")
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [16, 64, 2048, 8192]
 DENSITIES = [0.3, 0.1, 0.05, 0.01]
-MAX_COPIES = 16          # weight copies per call cycle (sparsecc.timing.ROTATE_BYTES together)
+MAX_COPIES = 16          # weight copies per call cycle (sparsecc.runtime.timing.ROTATE_BYTES together)
 
 
 def unstructured_weight(n: int, k: int, density: float, dtype, gen) -> torch.Tensor:
@@ -59,7 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--ms", nargs="*", type=int, default=MS)
     parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
-    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the 2:4 issue's six)")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels.py)")
     parser.add_argument("--no-cusparse", action="store_true", help="leave torch's cuSPARSE path out")
     parser.add_argument("--stem", default=None, help="results file name stem (default kernels_csr)")
     parser.add_argument("--no-tiled", action="store_true", help="leave sparsecc's tiled CSR kernels out")
@@ -77,12 +90,12 @@ def main(argv=None) -> dict:
             bias = torch.randn(n, generator=gen).to(dtype).cuda()
             for density in args.densities:
                 w = unstructured_weight(n, k, density, dtype, gen)
-                packed = None if args.no_tiled else CsrKernelWeight.from_dense(w, progress=True)
-                spmm = (CsrSpmmWeight.from_dense(w, progress=True)
+                packed = None if args.no_tiled else CSR_TILED.pack(w, CSR, None, progress=True)
+                spmm = (CSR_SPMM.pack(w, CSR, None, progress=True)
                         if density <= SPMM_MAX_DENSITY and not args.tiled_only else None)
                 w_csr = None if args.no_cusparse else w.to_sparse_csr()
                 for m in args.ms:
-                    split = None if args.tiled_only else CsrSplitWeight.from_dense(w, m, progress=True)
+                    split = None if args.tiled_only else CSR_SPLIT.pack(w, CSR, m, progress=True)
                     result["rows"] += measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen,
                                                     args.residual_modes)
                 del w_csr, packed, spmm
@@ -100,11 +113,11 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
     impls = {"cublas": (lambda w: torch.relu(F.linear(x, w, bias)), (w,))}
     if packed is not None:
-        impls["sparsecc-csr"] = (lambda v, e: gpu.linear_kernel(x, v, e, n, k, bias, "relu", False, False,
-                                                                packed.kernels), (packed.values, packed.metadata))
+        impls["sparsecc-csr"] = (lambda v, e: linear_kernel(x, v, e, n, k, bias, "relu", False, False,
+                                                            packed.kernels), (packed.values, packed.metadata))
     if spmm is not None:
-        impls["sparsecc-csr-spmm"] = (lambda v, e: gpu.linear_kernel(x, v, e, n, k, bias, "relu", False, False,
-                                                                     spmm.kernels), (spmm.values, spmm.metadata))
+        impls["sparsecc-csr-spmm"] = (lambda v, e: linear_kernel(x, v, e, n, k, bias, "relu", False, False,
+                                                                 spmm.kernels), (spmm.values, spmm.metadata))
     residuals = {"sparsecc-csr-split": split.residual} if split is not None else {}
     if residual_modes and split is not None and split.residual:
         symbol = split.residual.rsplit(":", 1)[0]
@@ -132,7 +145,7 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
         try:
             fn, copies = (rotating(call, *tensors, max_copies=MAX_COPIES) if impl != "torch-csr-cusparse"
                           else ((lambda: call(w_csr)), 1))
-            row["rel_err"] = rel_err(fn(), ref)
+            row["rel_err"] = relative_error(fn(), ref)
             row["us_eager"] = time_eager_us(fn)
             if impl == "torch-csr-cusparse":    # reads back to the host: cannot be captured
                 row["us"], row["graph"] = row["us_eager"], False
@@ -162,15 +175,14 @@ CSR_KERNELS = ("sparsecc-csr", "sparsecc-csr-split", "sparsecc-csr-spmm")
 
 def fastest(result: dict, dtype: str, over: str = "cublas") -> dict:
     """Per point, the speedup of the fastest sparsecc CSR kernel: what compile runs, since it
-    times them on each weight (sparsecc.kernel_packing.pack_unstructured)."""
+    times them on each weight (sparsecc.kernels.registry.pack_unstructured)."""
     each = [speedups(result, impl, dtype, over) for impl in CSR_KERNELS]
     return {p: max(s.get(p, 0.0) for s in each) for p in set().union(*each)}
 
 
 def print_summary(result: dict) -> None:
     """Per sparsecc CSR kernel (and the fastest of them), dtype, M and density: the speedup
-    over cuBLAS (all shapes and N, K >= 4096) and the smallest speedup over cuSPARSE (the issue
-    asks for 5x)."""
+    over cuBLAS (all shapes and N, K >= 4096) and the smallest speedup over cuSPARSE."""
     for impl in (*CSR_KERNELS, "fastest"):
         for dtype in sorted({r["dtype"] for r in result["rows"]}):
             data, vs_cusparse = ((fastest(result, dtype), fastest(result, dtype, over="torch-csr-cusparse"))

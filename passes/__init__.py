@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from sparsecc.site import LinearSite
+from sparsecc.ir.site import LinearSite
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from sparsecc.site import SITE_KEY, LinearSite
+from sparsecc.ir.site import SITE_KEY, LinearSite
 
 from . import PassResult
 from .patterns import ADDMM, LINEAR, MATMUL, MATMUL_METHODS, Constants, arg, fetch_attr, is_call

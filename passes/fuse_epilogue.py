@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from sparsecc.epilogue import Activation
-from sparsecc.site import SITE_KEY, LinearSite
+from sparsecc.ir.epilogue import Activation
+from sparsecc.ir.site import SITE_KEY, LinearSite
 
 from . import PassResult
 from .patterns import (ADD, ADD_METHODS, Constants, activation_of, arg, is_call, is_matrix_transpose,

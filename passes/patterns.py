@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecc.epilogue import Activation
+from sparsecc.ir.epilogue import Activation
 
 aten = torch.ops.aten
 

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from sparsecc.formats import PackedWeight
-from sparsecc.ops import OP_FOR_KIND, linear_torch
-from sparsecc.site import SITE_KEY
+from sparsecc.ir.formats import PackedWeight
+from sparsecc.runtime.torch_ops import OP_FOR_KIND, linear_torch
+from sparsecc.ir.site import SITE_KEY
 
 from . import PassResult
 from .fuse_epilogue import erase_dead_inputs

@@ -8,7 +8,7 @@ seconds:
 2. for each pattern: copy the dense model, ``sparsecc.pruning.prune`` it (unstructured
    patterns with one global threshold, as in the seed table; 2:4 per layer), measure;
 3. fine-tune with the masks kept (``keep_masks=True`` + ``attach_to_optimizer``), measure
-   again, remove the masks, and check with ``sparsecc.analysis.analyze`` that every pruned
+   again, remove the masks, and check with ``sparsecc.ir.analysis.analyze`` that every pruned
    weight still fits its pattern exactly.
 
 Everything is seeded, the data order is fixed and training runs on one thread, so two runs
@@ -30,7 +30,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 
-from sparsecc.analysis import analyze
+from sparsecc.ir.analysis import analyze
 from sparsecc.pruning import attach_to_optimizer, parse_pattern, prune, remove_masks
 
 #: (pattern, scope): the seed table's sparsities as unstructured densities, then 2:4
@@ -78,7 +78,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def analyze_layers(model: nn.Module, pattern: str, layer_names: list[str]) -> list[dict]:
-    """``sparsecc.analysis.analyze`` of every pruned weight: its density, the tightest n:m
+    """``sparsecc.ir.analysis.analyze`` of every pruned weight: its density, the tightest n:m
     patterns it fits, and whether it fits all of the pattern's exact formats."""
     formats = parse_pattern(pattern).formats()
     modules = dict(model.named_modules())

@@ -3,20 +3,17 @@
     model = sparsecc.compile(model, example_inputs)     # eager module in, module out
     plan = sparsecc.plan(model, example_inputs)         # what compile would do, and why
     sparsecc.prune(model, "2:4")                        # make a model sparse first (lossy)
-"""
-__version__ = "0.1.0"
 
-from . import gpu, ops  # noqa: F401  (register the sparsecc:: custom ops)
+``torch.compile(model, backend="sparsecc")`` finds the backend through the package's entry point.
+"""
+from ._version import __version__
 from .compiler import compile, plan
-from .cost import CostModel
 from .errors import (FormatError, InputError, KernelBuildError, PatternError, PlanError,
                      SparseccError, TraceError)
-from .formats import FormatSpec, pack
-from .plan import Plan
+from .ir.formats import FormatSpec, pack
+from .ir.plan import Plan
+from .planner.cost import CostModel
 from .pruning import prune
-from . import backend as _backend
-
-_backend.register()
 
 __all__ = ["compile", "plan", "prune", "Plan", "CostModel", "FormatSpec", "pack", "SparseccError", "InputError",
            "TraceError", "FormatError", "PatternError", "PlanError", "KernelBuildError", "__version__"]

@@ -26,12 +26,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from . import runtime
 from .compiler import analyze_sites, pack_sites, plan_sites
-from .cost import CostModel
-from .formats import FormatSpec
+from .ir.formats import FormatSpec
+from .ir.plan import Plan
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
-from .plan import Plan
+from .planner.cost import CostModel
+from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
 
@@ -80,7 +80,7 @@ class SparseGraph:
                                   inputs[index_of[s.weight_name]]._version, inputs[index_of[s.weight_name]].data_ptr())
                          for s in sites if decisions.get(s.name) is not None and s.weight_name in index_of]
         if self.inductor:
-            from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
             patches = {"triton.cudagraphs": self.cudagraphs, "cpp_wrapper": self.cpp_wrapper}
             self._fn = compile_fx(gm, list(inputs), config_patches={k: v for k, v in patches.items() if v})
         else:
@@ -125,7 +125,7 @@ def make_backend(*, formats=None, inductor: bool = True, cudagraphs: bool = Fals
     each sparse site costs its op's C++ call (on an H100 machine 2.4 us for sparsecc's CUDA op,
     against 24 us from Python); a C++ compiler builds it once per graph."""
     if kernels is not None:
-        runtime.use_kernels(kernels)
+        use_kernels(kernels)
     allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
 
     def backend(gm: fx.GraphModule, example_inputs):
@@ -141,7 +141,8 @@ sparsecc_backend = make_backend()
 
 
 def register() -> None:
-    """Register ``sparsecc`` with Dynamo (the entry point does this without an import)."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
-    if "sparsecc" not in _BACKENDS or _BACKENDS.get("sparsecc") is None:
+    """Register ``sparsecc`` with Dynamo by hand (the ``torch_dynamo_backends`` entry point of an
+    installed sparsecc does this on its own, without importing sparsecc)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend   # Dynamo loads only here
+    if "sparsecc" not in _COMPILER_FNS:      # not yet registered, by hand or by loading the entry point
         register_backend(compiler_fn=sparsecc_backend, name="sparsecc")

@@ -2,8 +2,11 @@
 
     sparsecc plan MODEL [--prune 2:4] [--formats 2:4 csr] [--json]
     sparsecc compile MODEL --out model.pt [--prune ...] [--kernels DIR]
-    sparsecc generate (MODEL | plan.json) --arch sm_90a [--arch sm_80] --out DIR
+    sparsecc generate (MODEL | plan.json) --arch sm_90a --out DIR
     sparsecc bench MODEL [--prune ...] [--json]
+    sparsecc tune MODEL [--prune ...] [--m-range LO HI] [--all]
+    sparsecc tune --shapes NxK ... --ms M ... [--dtype float16]
+    sparsecc calibrate
     sparsecc cache ls|verify|clear
 
 MODEL is a built-in name (see ``sparsecc plan --help``) or ``file.py:function`` returning
@@ -13,18 +16,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import sys
 
 import torch
+from torch.utils.benchmark import Timer
 
-from . import __version__
-from .errors import SparseccError
+from ._version import __version__
+from .compiler import compile as compile_model
+from .compiler import plan as plan_model
+from .config import configure_logging
+from .errors import InputError, SparseccError
+from .frontend.tracing import normalize_inputs
+from .ir.plan import Plan
+from .kernels import registry, tune
+from .kernels.base import kernels_unavailable
+from .kernels.sparse24_small import choose
+from .models import BUILTIN, load
+from .planner import calibrate as calibration
+from .planner.fit import cache_path
+from .pruning import prune
+from .runtime import kernel_dir
+from .runtime.build import KernelCache, file_sha256
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    from .models import BUILTIN
-    parser.add_argument("model", help=f"one of {', '.join(BUILTIN)}, or file.py:function returning (model, inputs)"
+def _model_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument("model", nargs=None if required else "?", help=f"one of {', '.join(BUILTIN)}, or file.py:function returning (model, inputs)"
                                       " (generate also takes a plan.json)")
     parser.add_argument("--batch", type=int, default=8, help="batch size of the example inputs (default 8)")
     parser.add_argument("--seq", type=int, default=128, help="sequence length of the example inputs (default 128)")
@@ -40,8 +59,6 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepared(args, default_dtype=None):
-    from .models import load
-    from .pruning import prune
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     default_dtype = default_dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
@@ -55,15 +72,13 @@ def _prepared(args, default_dtype=None):
 
 
 def _plan(args) -> int:
-    from .compiler import plan
     model, inputs = _prepared(args)
-    result = plan(model, inputs, formats=args.formats, m_range=args.m_range, objective=args.objective)
+    result = plan_model(model, inputs, formats=args.formats, m_range=args.m_range, objective=args.objective)
     print(result.to_json() if args.json else result.table())
     return 0
 
 
 def _compile(args) -> int:
-    from .compiler import compile as compile_model
     model, inputs = _prepared(args)
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
                              objective=args.objective)
@@ -76,19 +91,15 @@ def _compile(args) -> int:
 
 def _generate(args) -> int:
     """Kernels for a plan file, or for a model's 2:4 sites (planned here, on any machine)."""
-    from . import kernel_dir
-    from .compiler import plan as plan_model
-    from .gpu import plan_kernels
-    from .plan import Plan
     if args.model.endswith(".json"):
         the_plan = Plan.from_json(args.model)
     else:
         args.device = args.device or "cpu"
         model, inputs = _prepared(args, default_dtype=torch.float16)
         the_plan = plan_model(model, inputs, formats=args.formats or ("2:4",))
-    specs = plan_kernels(the_plan, archs=tuple(args.arch))
+    specs = registry.plan_kernels(the_plan)
     if not specs:
-        print("sparsecc: no site of this plan runs on a generated kernel (no 2:4 site of a supported "
+        print("sparsecc: no site of this plan runs on a generated kernel (no sparse site of a supported "
               "shape and dtype): nothing to generate", file=sys.stderr)
         return 1
     out = kernel_dir.write(specs, args.out, progress=not args.json)
@@ -103,9 +114,6 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     """Time the eager model and the compiled one on the example inputs."""
-    from torch.utils.benchmark import Timer
-    from .compiler import compile as compile_model
-    from .tracing import normalize_inputs
     model, inputs = _prepared(args)
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
                              objective=args.objective)
@@ -131,7 +139,6 @@ def _bench(args) -> int:
 
 
 def _cache(args) -> int:
-    from .build import KernelCache, _sha256
     cache = KernelCache()
     entries = sorted((cache.root / "kernels").iterdir()) if (cache.root / "kernels").is_dir() else []
     if args.action == "clear":
@@ -143,7 +150,7 @@ def _cache(args) -> int:
     for entry in entries:
         try:
             manifest = json.loads((entry / "manifest.json").read_text())
-            intact = manifest["sha256"] == _sha256(entry / "kernel.so")
+            intact = manifest["sha256"] == file_sha256(entry / "kernel.so")
         except (OSError, ValueError, KeyError):
             manifest, intact = {"symbol": "?"}, False
         damaged += not intact
@@ -158,34 +165,89 @@ def _cache(args) -> int:
     return 1 if args.action == "verify" and damaged else 0
 
 
+def _tune(args) -> int:
+    """Time the launch candidates of the kernel families a model (or the given shapes) needs on
+    this GPU, and cache the winners (sparsecc.kernels.tune)."""
+    if args.all:
+        os.environ["SPARSECC_TUNE"] = "all"
+    elif os.environ.get("SPARSECC_TUNE", "new") == "off":
+        os.environ["SPARSECC_TUNE"] = "new"
+    why_not = kernels_unavailable("cuda")
+    if why_not:
+        raise InputError(f"tuning times sparsecc's kernels on a Hopper GPU: {why_not}")
+    start = len(tune.LOG)
+    if args.shapes:
+        if args.model:
+            raise InputError("tune takes a MODEL or --shapes, not both")
+        dtype = getattr(torch, args.dtype or "float16")
+        for shape in args.shapes:
+            for m in args.ms:
+                family = choose(dtype, shape, m, tune_first=True, progress=True)
+                family.dispatch(dtype, shape, (m, m), progress=True)
+    elif args.model:
+        model, inputs = _prepared(args)
+        compile_model(model, inputs, formats=args.formats, m_range=args.m_range, objective=args.objective)
+    else:
+        raise InputError("tune needs a MODEL or --shapes NxK ... (with --ms)")
+    tuned = tune.log_since(start)
+    if args.json:
+        print(json.dumps({"table": str(tune.table().path), "tuned": tuned}, indent=1))
+        return 0
+    seconds = sum(t["seconds"] for t in tuned)
+    print(f"tuned {len(tuned)} launch choice(s) in {seconds:.1f} s; this GPU's table: {tune.table().path}")
+    for t in tuned:
+        print(f"  {t['family']:14s} {t['n']}x{t['k']} {t['dtype']} M={t['m']:<5d} {t['us']:9.2f} us  "
+              f"{t['launch']}  ({t['candidates']} candidates, {t['seconds']:.1f} s)")
+    return 0
+
+
+def _shape(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a weight shape NxK (out x in features), e.g. 4096x11008")
+    return int(match[1]), int(match[2])
+
+
 def _calibrate(args) -> int:
-    from . import calibration
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = calibration.calibrate(device, progress=not args.json)
     if args.json:
         print(result.to_json())
         return 0
     print(f"calibrated {result.device}: {len(result.measurements)} measurements, saved to "
-          f"{calibration.cache_path(device)}")
+          f"{cache_path(device)}")
     for name, fit in result.fits.items():
-        cached = (f" ({fit.cache_bandwidth / 1e9:.1f} GB/s for the first {fit.cache_bytes / 2**20:.0f} MiB)"
-                  if fit.cache_bytes else "")
-        print(f"  {name:22s} overhead {fit.overhead_us:8.1f} us  {fit.rate / 1e12:8.3f} Tflop/s  "
-              f"{fit.bandwidth / 1e9:8.1f} GB/s{cached}  p={fit.p:.1f}  median error {fit.median_error:.0%} "
-              f"over {fit.points}")
+        cached = (f" ({_rate(fit.cache_bandwidth, 1e9, 'GB/s', BANDWIDTH_LIMIT)} for the first "
+                  f"{fit.cache_bytes / 2**20:.0f} MiB)" if fit.cache_bytes else "")
+        print(f"  {name:22s} overhead {fit.overhead_us:8.1f} us  {_rate(fit.rate, 1e12, 'Tflop/s', RATE_LIMIT)}  "
+              f"{_rate(fit.bandwidth, 1e9, 'GB/s', BANDWIDTH_LIMIT)}{cached}  p={fit.p:.1f}  "
+              f"median error {fit.median_error:.0%} over {fit.points}")
+    print("  (n/a: the probes' times did not depend on it, so the fit left it unbounded)")
     return 0
+
+
+#: above these a fitted rate or bandwidth is no machine's: the probes did not constrain it
+RATE_LIMIT, BANDWIDTH_LIMIT = 1e17, 1e14
+
+
+def _rate(value: float, scale: float, unit: str, limit: float) -> str:
+    return f"{value / scale:8.1f} {unit}" if value <= limit else f"{'n/a':>8s} {unit}"
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sparsecc", description="A compiler that makes sparse PyTorch models fast.")
     top.add_argument("--version", action="version", version=f"sparsecc {__version__}")
-    top.add_argument("--log", default=None, help="log level: DEBUG, INFO, WARNING (default: SPARSECC_LOG)")
+    top.add_argument("--log", default=None, type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                     help="log level (default: SPARSECC_LOG, else WARNING)")
     commands = top.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="print what compile would do to a model, and why")
     _model_arguments(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)
-    comp = commands.add_parser("compile", help="compile a model and save it (torch.save)")
+    comp = commands.add_parser("compile", help="compile a model and save it (torch.save)",
+                               description="Compile a model and save the module with torch.save. Load it back "
+                                           "with torch.load(path, weights_only=False) after import sparsecc "
+                                           "(it is a module, not a state dict), on the same kind of device.")
     _model_arguments(comp)
     comp.add_argument("--out", required=True, help="where to save the compiled module")
     comp.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -197,8 +259,8 @@ def parser() -> argparse.ArgumentParser:
                                           "with `sparsecc.compile(..., kernels=DIR)` or SPARSECC_KERNELS=DIR, "
                                           "with no compiler on that machine.")
     _model_arguments(gen)
-    gen.add_argument("--arch", action="append", choices=("sm_90a", "sm_80"), required=True,
-                     help="target architecture (repeat for several)")
+    gen.add_argument("--arch", action="append", choices=("sm_90a",), required=True,
+                     help="target architecture (Hopper: sm_90a)")
     gen.add_argument("--out", required=True, help="the directory to write")
     gen.add_argument("--json", action="store_true", help="print the manifest as JSON")
     gen.set_defaults(run=_generate)
@@ -208,6 +270,19 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--seconds", type=float, default=1.0, help="measuring time per implementation")
     bench.add_argument("--json", action="store_true", help="print the timings as JSON")
     bench.set_defaults(run=_bench)
+    tun = commands.add_parser("tune", help="time the kernels' launches on this GPU for a model's (or given) shapes",
+                              description="Time every launch candidate of the kernel families a model needs "
+                                          "(or, with --shapes, 2:4 weights of those shapes at the --ms batch "
+                                          "sizes) on this GPU, and cache the fastest per shape, dtype and batch "
+                                          "bucket for this GPU and these torch/sparsecc versions. Compile does "
+                                          "the same for what it needs unless SPARSECC_TUNE=off.")
+    _model_arguments(tun, required=False)
+    tun.add_argument("--shapes", nargs="+", type=_shape, metavar="NxK", help="weight shapes (out x in features)")
+    tun.add_argument("--ms", nargs="+", type=int, default=[1, 16, 64], metavar="M",
+                     help="batch sizes to tune the --shapes for (default 1 16 64)")
+    tun.add_argument("--all", action="store_true", help="time again what was tuned before")
+    tun.add_argument("--json", action="store_true", help="print what was tuned as JSON")
+    tun.set_defaults(run=_tune)
     cal = commands.add_parser("calibrate", help="measure this machine for the cost model (cached per machine)",
                               description="Time every implementation the cost model chooses between on a small "
                                           "grid of shapes, fit its numbers and cache them for this GPU (or CPU) "
@@ -224,10 +299,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from .config import configure_logging
     logger = configure_logging()
     if args.log:
-        logger.setLevel(args.log.upper())
+        logger.setLevel(args.log)
     try:
         return args.run(args)
     except SparseccError as error:

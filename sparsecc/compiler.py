@@ -1,4 +1,4 @@
-"""``sparsecc.compile`` and ``sparsecc.plan``: the pipeline of DESIGN.md, end to end.
+"""``sparsecc.compile`` and ``sparsecc.plan``: the pipeline of docs/design.md, end to end.
 
 trace (fx, part by part if needed) -> conv_as_linear -> find_linear -> fuse_epilogue -> analysis -> cost model
 (or a given plan) -> pack -> splice -> a module that computes what the model computed.
@@ -13,17 +13,18 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from . import runtime, tracing
-from .analysis import WeightStats, analyze
-from .cost import CostModel, check_m_range
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
-from .formats import FormatSpec, pack
-from .gpu import SmallBatchWeight
-from .kernel_packing import pack_for_kernels
+from .frontend import tracing
+from .ir.analysis import WeightStats, analyze
+from .ir.formats import NM_2_4, FormatSpec, pack
+from .ir.numerics import relative_error
+from .ir.plan import Candidate, Plan, SitePlan
+from .ir.site import LinearSite
+from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
-from .plan import Candidate, Plan, SitePlan
-from .site import LinearSite
+from .planner.cost import DEFAULT_M, CostModel, check_m_range
+from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
 
@@ -48,8 +49,11 @@ def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
          cost_model: CostModel | None = None, m_range=None, objective: str = "latency") -> Plan:
     """Decide, per linear site, which exact format runs it, without changing the model
     (arguments as in :func:`compile`)."""
-    return _prepare(model, example_inputs, formats, device, cost_model, given_plan=None,
-                    m_range=m_range, objective=objective).plan
+    tuned_before = len(tune.LOG)
+    the_plan = _prepare(model, example_inputs, formats, device, cost_model, given_plan=None,
+                        m_range=m_range, objective=objective).plan
+    the_plan.tuning = tune.log_since(tuned_before)
+    return the_plan
 
 
 def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str | None = None,
@@ -70,7 +74,7 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         cost_model: a custom cost model (its own objective applies).
         m_range: ``(lo, hi)``, the batch sizes M the model will run at (e.g. ``(1, 8192)``
             for decode and prefill); each site is chosen for the whole range, bucket by
-            bucket (see sparsecc.cost). Default: the M of the example inputs.
+            bucket (see sparsecc.planner.cost). Default: the M of the example inputs.
         objective: ``"latency"`` (the fastest) or ``"memory"`` (the fewest bytes among the
             formats predicted within 10% of the fastest).
         verify: run the compiled model on the example inputs and raise if it does not match
@@ -82,10 +86,12 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
     """
     given = Plan.from_json(plan) if isinstance(plan, str) else plan
     if kernels is not None:
-        runtime.use_kernels(kernels)
+        use_kernels(kernels)
+    tuned_before = len(tune.LOG)
     prepared = _prepare(model, example_inputs, formats, device, cost_model, given_plan=given,
                         m_range=m_range, objective=objective)
     decisions = pack_sites(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
+    prepared.plan.tuning = tune.log_since(tuned_before)
     replaced = {}
     for part in prepared.traced.parts:
         names = {s.name for s in prepared.sites if s.module_path == part.path}
@@ -104,6 +110,9 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
     if not isinstance(model, nn.Module):
         raise InputError(f"sparsecc needs an nn.Module, got {type(model).__name__}")
     allowed = _parse_formats(formats)
+    if any(p.is_meta for p in model.parameters()):
+        raise InputError("the model has parameters on the meta device (no values): load its weights first, "
+                         "e.g. model.to_empty(device=...) then load_state_dict(...)")
     target = _target_device(model, device)
     if any(p.device != target for p in model.parameters()):
         model = copy.deepcopy(model).to(target)
@@ -228,21 +237,25 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
     if on_kernel:
+        entry = plan[site.name]
+        lo, hi = entry.m_range or (site.m or DEFAULT_M,) * 2
         try:
-            entry = plan[site.name]
-            packed = pack_for_kernels(site.weight, choice, entry.m_range[1] if entry.m_range else site.m, progress=True)
-            if isinstance(packed, SmallBatchWeight):
-                plan[site.name].reason += (f"; batch {site.m} <= {packed.max_m}: the memory-bound {packed.kernel} "
-                                           "(larger batches run on it too, slower than on the GEMMs)")
-            if getattr(packed, "selection", ""):
-                plan[site.name].reason += f"; packed for {packed.selection}"
-            return packed
+            packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True)
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":
                 raise
             log.warning("%s runs on torch: its kernel did not build (SPARSECC_ON_BUILD_ERROR=fallback): %s",
                         site.name, str(error).splitlines()[0])
-            plan[site.name].reason += f"; its kernel failed to build, so it runs on torch: {str(error).splitlines()[0]}"
+            entry.reason += f"; its kernel failed to build, so it runs on torch: {str(error).splitlines()[0]}"
+            return pack(site.weight, choice)
+        if choice == NM_2_4:
+            family = registry.candidates(choice, site.weight.dtype, tuple(site.weight.shape), hi)[0]
+            if family.max_m is not None:
+                entry.reason += (f"; batch {hi} <= {family.max_m}: the memory-bound {family.unit} (larger "
+                                 "batches run on it too, slower than on the GEMMs)")
+        if getattr(packed, "selection", ""):
+            entry.reason += f"; packed for {packed.selection}"
+        return packed
     return pack(site.weight, choice)
 
 
@@ -273,13 +286,3 @@ def _verify(compiled: nn.Module, prepared: _Prepared) -> None:
             raise SparseccError(f"compiled output {index} differs from the eager model: relative error "
                                 f"{error:.3g} > {tolerance:g}. This is a sparsecc bug; compile with "
                                 "formats=('dense',) to work around it, and please report it.")
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float64 (NaN if either has NaN where the other has not)."""
-    got64, want64 = got.double(), want.double()
-    if not torch.equal(torch.isnan(got64), torch.isnan(want64)):
-        return float("nan")
-    got64, want64 = got64.nan_to_num(0.0), want64.nan_to_num(0.0)
-    scale = want64.norm().item()
-    return (got64 - want64).norm().item() / (scale if scale > 0 else 1.0)

@@ -5,7 +5,8 @@ change the environment at run time.
 
 | variable                 | meaning                                                   | default                  |
 |--------------------------|-----------------------------------------------------------|--------------------------|
-| SPARSECC_CACHE_DIR       | where compiled kernels are cached                          | ~/.cache/sparsecc        |
+| SPARSECC_CACHE_DIR       | where compiled kernels, tuned launches and calibrations are | $XDG_CACHE_HOME/sparsecc |
+|                          | cached                                                     | (~/.cache/sparsecc)      |
 | SPARSECC_LOG             | log level of the ``sparsecc`` logger (DEBUG, INFO, ...)    | WARNING                  |
 | SPARSECC_NVCC            | the CUDA compiler to run                                   | nvcc on PATH             |
 | SPARSECC_CUTLASS_DIR     | a CUTLASS ``include`` directory                            | from the nvidia-cutlass wheel |
@@ -16,6 +17,10 @@ change the environment at run time.
 | SPARSECC_NONFINITE       | ``propagate``: NaN/Inf of x reach y as in dense F.linear;  | propagate                |
 |                          | ``unchecked``: 2:4 GEMM and BSR sites packed from now on   |                          |
 |                          | skip that pass (faster; for inputs known to be finite)     |                          |
+| SPARSECC_TUNE            | ``new``: time the launches of the shapes a plan needs that | new                      |
+|                          | have no measurement on this GPU; ``all``: time them again; |                          |
+|                          | ``off``: time nothing (this GPU's earlier measurements,    |                          |
+|                          | else the shipped table's nearest shape)                    |                          |
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from .errors import InputError
 _BUILD_ERROR_POLICIES = ("raise", "fallback")
 _LAUNCHERS = ("cpp", "python")
 _NONFINITE = ("propagate", "unchecked")
+_TUNE = ("off", "new", "all")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Settings:
     kernel_dirs: tuple[Path, ...] = ()
     launcher: str = "cpp"
     nonfinite: str = "propagate"
+    tune: str = "new"
 
 
 def _cutlass_from_wheel() -> Path | None:
@@ -72,6 +79,9 @@ def settings() -> Settings:
     nonfinite = env.get("SPARSECC_NONFINITE", "propagate").lower()
     if nonfinite not in _NONFINITE:
         raise InputError(f"SPARSECC_NONFINITE={nonfinite!r}: use one of {_NONFINITE}")
+    tune = env.get("SPARSECC_TUNE", "new").lower()
+    if tune not in _TUNE:
+        raise InputError(f"SPARSECC_TUNE={tune!r}: use one of {_TUNE}")
     jobs_text = env.get("SPARSECC_BUILD_JOBS", "")
     try:
         jobs = int(jobs_text) if jobs_text else (os.cpu_count() or 1)
@@ -79,7 +89,8 @@ def settings() -> Settings:
         raise InputError(f"SPARSECC_BUILD_JOBS={jobs_text!r} is not an integer") from None
     cutlass = env.get("SPARSECC_CUTLASS_DIR")
     return Settings(
-        cache_dir=Path(env.get("SPARSECC_CACHE_DIR") or Path.home() / ".cache" / "sparsecc"),
+        cache_dir=Path(env.get("SPARSECC_CACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                       / "sparsecc"),
         log_level=level,
         nvcc=env.get("SPARSECC_NVCC") or shutil.which("nvcc"),
         cutlass_dir=Path(cutlass) if cutlass else _cutlass_from_wheel(),
@@ -87,6 +98,7 @@ def settings() -> Settings:
         on_build_error=policy,
         launcher=launcher,
         nonfinite=nonfinite,
+        tune=tune,
         kernel_dirs=tuple(Path(p) for p in env.get("SPARSECC_KERNELS", "").split(os.pathsep) if p),
     )
 

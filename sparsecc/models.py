@@ -13,7 +13,11 @@ from .errors import InputError
 
 
 def _hf(name: str, batch: int, seq: int):
-    import transformers as hf
+    try:
+        import transformers as hf       # optional: pip install sparsecc[models]
+    except ImportError:
+        raise InputError(f"the built-in model {name!r} is a Hugging Face architecture and needs transformers: "
+                         "pip install 'sparsecc[models]'") from None
     if name.startswith("bert"):
         large = name == "bert-large"
         config = hf.BertConfig(hidden_size=1024 if large else 768, num_hidden_layers=24 if large else 12,
@@ -49,6 +53,9 @@ def load(spec: str, *, batch: int = 8, seq: int = 128) -> tuple[nn.Module, objec
     module_spec = importlib.util.spec_from_file_location("sparsecc_user_model", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    if not callable(getattr(module, function, None)):
+        raise InputError(f"{path} defines no function {function!r} (MODEL is file.py:function returning "
+                         "(model, example_inputs))")
     built = getattr(module, function)()
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise InputError(f"{spec} must return (model, example_inputs)")

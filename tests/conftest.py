@@ -1,16 +1,24 @@
 """Shared test helpers: random sparse weights (never zeros where a value is kept), the
-relative-error check every numeric test uses, and the GPU/nvcc skips."""
+relative-error check every numeric test uses (sparsecc's own relative_error), and the skips:
+a test marked ``gpu`` runs only where sparsecc's kernels can (a Hopper GPU and nvcc or a kernel
+directory); ``pytest -m gpu`` selects those."""
 from __future__ import annotations
 
 import math
 import shutil
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sparsecc import build as build_module
 from sparsecc.config import settings
+from sparsecc.errors import KernelBuildError
+from sparsecc.ir.numerics import relative_error
+from sparsecc.kernels.base import kernels_unavailable
+from sparsecc.kernels.registry import plan_kernels
+from sparsecc.runtime import build as build_module
+from sparsecc.runtime.kernel_op import ensure
 
 #: relative-error bounds (||got - ref|| / ||ref|| against an fp64 reference), by dtype
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
@@ -20,9 +28,8 @@ requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or settings().cu
                                    reason="needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)")
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+#: ||got - ref|| / ||ref|| (NaN where the NaNs differ): the one relative error of sparsecc
+rel_error = relative_error
 
 
 def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, factor: float = 1.0):
@@ -122,12 +129,20 @@ def kernels_of_24_sites(shapes, dtypes) -> list:
     """The kernels 2:4 sites of these [N, K] shapes run, as ``sparsecc generate`` lists them:
     the small-batch kernels (sites planned at M=1 and at M=4), the compressor and the GEMMs of
     each M bucket (any other site), for the GPU test modules' ``KERNELS``."""
-    from types import SimpleNamespace
-
-    from sparsecc.gpu import plan_kernels
     return plan_kernels([SimpleNamespace(choice="2:4", dtype=str(dtype).replace("torch.", ""), shape=shape,
                                          density=0.5, m=m)
                          for dtype in dtypes for shape in shapes for m in (1, 4, None)])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``gpu`` where sparsecc's kernels cannot run, saying why."""
+    why_not = kernels_unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+    if why_not is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs a Hopper GPU and nvcc: {why_not}")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 def pytest_collection_finish(session):
@@ -139,13 +154,9 @@ def pytest_collection_finish(session):
                if item.get_closest_marker("gpu") is not None and getattr(item, "module", None) is not None}
     specs = list(dict.fromkeys(spec for module in sorted(modules, key=lambda m: m.__name__)
                                for spec in getattr(module, "KERNELS", ())))
-    if not specs or not torch.cuda.is_available():
-        return
-    from sparsecc import gpu, runtime
-    from sparsecc.errors import KernelBuildError
-    if gpu.kernels_unavailable(torch.device("cuda")) is not None:
+    if not specs or not torch.cuda.is_available() or kernels_unavailable(torch.device("cuda")) is not None:
         return
     try:
-        runtime.ensure(specs)
+        ensure(specs)
     except KernelBuildError as error:
         print(f"building the GPU tests' kernels failed: {str(error).splitlines()[0]}")

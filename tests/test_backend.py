@@ -21,12 +21,29 @@ def fresh_dynamo():
 
 def test_backend_is_registered_by_name():
     from torch._dynamo import list_backends
+    from torch._dynamo.backends.registry import lookup_backend
+    from sparsecc.backend import register, sparsecc_backend
     assert "sparsecc" in list_backends()
     model = nn.Sequential(nn.Linear(16, 8)).eval()
     compiled = torch.compile(model, backend="sparsecc")
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
+    register()                  # by hand too, after Dynamo loaded it from the entry point
+    assert lookup_backend("sparsecc") is sparsecc_backend
+
+
+def test_register_by_hand_is_idempotent(monkeypatch):
+    """``sparsecc.backend.register()`` registers the backend where no entry point did, and may be
+    called again, also after Dynamo loaded the backend from the entry point."""
+    from torch._dynamo.backends import registry
+    from sparsecc.backend import register, sparsecc_backend
+    monkeypatch.setattr(registry, "_BACKENDS", {})           # as if sparsecc were not installed
+    monkeypatch.setattr(registry, "_COMPILER_FNS", {})
+    monkeypatch.setattr(registry, "_lazy_import", lambda: None)
+    register()
+    register()
+    assert registry.lookup_backend("sparsecc") is sparsecc_backend
 
 
 def test_entry_point_is_declared():

@@ -1,18 +1,18 @@
 """Bad and unusual inputs at the CPU ops (all four families): each gives the right result or
 a clear InputError (a SparseccError), never a crash or wrong numbers. The CUDA kernel op
-gets the same treatment in tests/test_gpu_bad_input.py."""
+gets the same treatment in tests/test_bad_input_gpu.py."""
 import re
 
 import pytest
 import torch
 
-from sparsecc.epilogue import apply_activation
+from sparsecc.ir.epilogue import apply_activation
 from sparsecc.errors import InputError, SparseccError
-from sparsecc.formats import FormatSpec, pack
+from sparsecc.ir.formats import FormatSpec, pack
 
 from conftest import assert_rel_close
 from test_fuzz import make_input
-from test_ops import reference, run_op, weight_for
+from runtime.test_torch_ops import reference, run_op, weight_for
 
 #: every family; BSR both square (torch's kernel for fp32/fp64) and not (block products)
 SPECS = ["dense", "2:4", "bsr16", "bsr16x32", "csr"]

@@ -2,14 +2,34 @@
 shapes and refuses what the 2:4 kernels cannot take, naming it; the two one-sided modes exclude
 each other."""
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import decode  # noqa: E402
-import kernels  # noqa: E402
+BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
+
+
+def _import_benchmarks(*names):
+    """benchmarks/NAME.py for each name. ``kernels`` also names the tests' package tests/kernels
+    (tests/ is on sys.path): while the benchmarks import (decode imports kernels), benchmarks/
+    comes first and the names are theirs; afterwards sys.modules holds what it held, and
+    benchmarks/ is last on sys.path (for the modules only it has, e.g. common)."""
+    path, held = list(sys.path), {name: sys.modules.pop(name, None) for name in names}
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path[:] = [entry for entry in path if entry != BENCHMARKS] + [BENCHMARKS]
+        for name, module in held.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+kernels, decode = _import_benchmarks("kernels", "decode")
 
 
 def test_shapes_parse_as_out_by_in_features():

@@ -1,9 +1,10 @@
 """The command line: plan (table and JSON), compile (saved, loadable, same outputs), cache,
-clear errors."""
+clear errors (tune without a GPU, arguments argparse refuses)."""
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from sparsecc import Plan, cli
@@ -52,9 +53,58 @@ def test_plan_over_a_batch_range_for_memory():
 
 
 def test_calibrate_prints_and_caches(tmp_path, monkeypatch):
-    from sparsecc import calibration as calib
+    from sparsecc.planner import calibrate as calibration
+    from sparsecc.planner.fit import cache_path, for_device
     monkeypatch.setenv("SPARSECC_CACHE_DIR", str(tmp_path))
-    probes = [calib.Probe(256, 256, "dense", 1.0, "dense", m, "float32") for m in (1, 16, 128)]
-    monkeypatch.setattr(calib, "calibration_workloads", lambda device: probes)
+    probes = [calibration.Probe(256, 256, "dense", 1.0, "dense", m, "float32") for m in (1, 16, 128)]
+    monkeypatch.setattr(calibration, "calibration_workloads", lambda device: probes)
     assert cli.main(["calibrate", "--device", "cpu", "--json"]) == 0
-    assert calib.cache_path(torch.device("cpu")).is_file() and not calib.for_device("cpu").borrowed
+    assert cache_path(torch.device("cpu")).is_file() and not for_device("cpu").borrowed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+@pytest.mark.parametrize("argv", [["tune", "mlp"], ["tune", "--shapes", "4096x4096", "--ms", "1"], ["tune"]],
+                         ids=["model", "shapes", "neither"])
+def test_tune_without_a_gpu_is_a_one_line_error(argv, monkeypatch, capsys):
+    """Without a GPU, ``sparsecc tune`` exits with code 2 and one line saying why, before it loads
+    a model; with neither a model nor --shapes the GPU check comes first too."""
+    monkeypatch.setenv("SPARSECC_TUNE", "new")         # tune sets it for the process
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == ""
+    assert lines[0].startswith("sparsecc: error: tuning times sparsecc's kernels on a Hopper GPU: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+def test_tune_without_a_gpu_from_the_shell():
+    """The ``sparsecc`` process itself: exit code 2, one line on stderr."""
+    result = run("tune", "--shapes", "4096x4096")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sparsecc: error: tuning times sparsecc's kernels on a Hopper GPU: ")
+
+
+def test_tune_needs_a_model_or_shapes_where_kernels_could_run(monkeypatch, capsys):
+    """Where the kernels could run, tune with neither a model nor --shapes (or with both) is an
+    error, raised before anything is tuned."""
+    monkeypatch.setenv("SPARSECC_TUNE", "new")
+    monkeypatch.setattr(cli, "kernels_unavailable", lambda device: None)
+    assert cli.main(["tune"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sparsecc: error: tune needs a MODEL or --shapes NxK ... (with --ms)")
+    assert cli.main(["tune", "mlp", "--shapes", "64x64"]) == 2
+    assert capsys.readouterr().err.strip() == "sparsecc: error: tune takes a MODEL or --shapes, not both"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["tune", "--shapes", "4096xabc"], "is not a weight shape NxK"),
+    (["generate", "mlp", "--arch", "sm_80", "--out", "kernels"], "invalid choice"),
+], ids=["tune-bad-shape", "generate-sm80"])
+def test_arguments_argparse_refuses(argv, says, capsys):
+    """A shape that is not NxK, and an architecture other than sm_90a (the kernels are Hopper's)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and argv[-3 if argv[0] == "generate" else -1] in err

@@ -9,9 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 import sparsecc
 from sparsecc import CostModel
-from sparsecc.analysis import analyze
+from sparsecc.ir.analysis import analyze
 from sparsecc.errors import InputError, PlanError, SparseccError
-from sparsecc.formats import FormatSpec
+from sparsecc.ir.formats import FormatSpec
 
 from conftest import assert_rel_close, block_sparse, n_m, unstructured
 from models import bert, gpt2, llama, mlp, sparsify_24
@@ -229,11 +229,11 @@ def test_kernel_build_failure_raises_or_falls_back(monkeypatch, gen):
     reason in the plan) when SPARSECC_ON_BUILD_ERROR=fallback."""
     from sparsecc.errors import KernelBuildError
 
-    def broken(weight, spec, m, progress=False):
+    def broken(weight, spec, m, *, tune_range=None, progress=False):
         raise KernelBuildError("nvcc failed to compile sparsecc_x", command=["nvcc", "x.cu"], stderr="boom",
                                source_path="/tmp/x.cu")
 
-    monkeypatch.setattr(sparsecc.compiler, "pack_for_kernels", broken)
+    monkeypatch.setattr(sparsecc.kernels.registry, "pack", broken)
     monkeypatch.setattr(CostModel, "uses_kernel", lambda self, stats, spec: spec.kind == "nm")
     model = mlp((32, 16)).eval()
     with torch.no_grad():

@@ -4,7 +4,7 @@ epilogues, layout flags, leading batch dims and strides) against an fp64 referen
 The harness is reusable for any implementation of the ops: :func:`cases` (the strategy),
 :func:`check_case` (make one case's tensors, pack, run, compare; the op and the packing
 are arguments), :func:`fuzz` (run a number of cases with a fixed seed, count what they
-covered) and :func:`assert_covered`. tests/test_gpu_fuzz.py runs the same harness on the
+covered) and :func:`assert_covered`. tests/test_fuzz_gpu.py runs the same harness on the
 CUDA kernels.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sparsecc.formats import FormatSpec, PackedWeight, pack
+from sparsecc.ir.formats import FormatSpec, PackedWeight, pack
 
 from conftest import TOLERANCE, block_sparse, n_m, nonzero_randn, unstructured
-from test_ops import ACTIVATIONS, reference, run_op
+from runtime.test_torch_ops import ACTIVATIONS, reference, run_op
 
 #: how ``x`` lies in memory: as is, a transposed view, every other element of a wider
 #: tensor (a step slice), or one element past an aligned start (data_ptr not 16-byte aligned)

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from ..errors import InputError
-from ..formats import group_along_k
+from ..ir.formats import group_along_k
 from .patterns import (BlockNMPattern, BlockPattern, NMPattern, Pattern, UnstructuredPattern,
                        VectorNMPattern, parse_pattern)
 from .topn import TopN, check_no_nan

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..errors import PatternError
-from ..formats import FormatSpec
+from ..ir.formats import FormatSpec
 
 _SYNTAX_HELP = ("write 'n:m' (e.g. '2:4', '3:32'), 'n:m/vw<v>' (e.g. '2:4/vw4'), 'n:m/bw<b>' "
                 "(e.g. '2:4/bw32'), 'block<h>x<w>@<density>' (e.g. 'block32x32@0.25') or "
@@ -62,7 +62,7 @@ class Pattern:
         """Raise PatternError if a weight of ``shape`` ([N, K]) cannot take the pattern."""
 
     def formats(self) -> tuple[FormatSpec, ...]:
-        """The exact weight formats (:mod:`sparsecc.formats`) every pruned weight fits."""
+        """The exact weight formats (:mod:`sparsecc.ir.formats`) every pruned weight fits."""
         return (FormatSpec("csr"),)
 
 

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsecc.passes import find_linear
-from sparsecc.site import sites_of
+from sparsecc.ir.site import sites_of
 
 from .graphs import ops, traced
 

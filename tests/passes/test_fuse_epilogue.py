@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecc.epilogue import Activation
+from sparsecc.ir.epilogue import Activation
 from sparsecc.passes import find_linear, fuse_epilogue
 
 from .graphs import ops, traced

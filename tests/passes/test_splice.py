@@ -3,9 +3,9 @@ plain torch ops; the dense weight is no longer held; the original model is untou
 import torch
 import torch.nn as nn
 
-from sparsecc.formats import pack
-from sparsecc.ops import linear_torch
+from sparsecc.ir.formats import pack
 from sparsecc.passes import find_linear, fuse_epilogue, splice
+from sparsecc.runtime.torch_ops import linear_torch
 
 from conftest import assert_rel_close, n_m, unstructured
 

@@ -1,0 +1,317 @@
+"""Kernel specifications: ``KernelSpec``, frozen and validated, names one generated kernel.
+
+A spec names everything that distinguishes one generated kernel from another: its template
+(:class:`Family`), dtype and tiling. Templates render only from it (:mod:`sparsecc.codegen.render`),
+and only enumerated values reach the C++. The symbol spells the configuration out, so a binary
+says what it is. The layouts the templates share with the packing code (the non-finite guard's
+words) are defined here too, so that both sides read one definition.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass
+
+from ..errors import InputError
+
+#: the non-finite guard kept after a weight's metadata (sparsecc.kernels.nonfinite_guard):
+#: inputs per listed group (one 16-byte load of 16-bit x), the words before the groups (flag,
+#: finished CTAs, group count), and where a 2:4 weight's guard starts after CUTLASS's metadata
+#: (the next multiple of this many bytes)
+GUARD_GROUP = 8
+GUARD_HEADER_WORDS = 3
+GUARD_ALIGNMENT = 16
+
+
+class Family(str, enum.Enum):
+    """A template, i.e. a kernel family. The value is the template's file stem."""
+
+    SM90_SPARSE24 = "gemm_sm90_sparse24"
+    SM90_DENSE = "gemm_sm90_dense"
+    SM90_COMPRESS24 = "compress_sm90_sparse24"
+    GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
+    GEMV_MMA_SM90_SPARSE24 = "gemv_mma_sm90_sparse24"
+    GEMV_MMA_SM90_DENSE = "gemv_mma_sm90_dense"
+    BSR_SM90_WGMMA = "bsr_sm90_wgmma"
+    BSR_SM90_PAIRS = "bsr_sm90_pairs"
+    BSR_MMA_SM90 = "bsr_mma_sm90"
+    CSR_SM90 = "csr_sm90"
+    CSR_WGMMA_SM90 = "csr_wgmma_sm90"
+    RESIDUAL_SM90 = "residual_sm90"
+    SPMM_SM90 = "spmm_sm90"
+
+    @property
+    def arch(self) -> str:
+        """Every template targets Hopper's sm_90a (wgmma, TMA, clusters)."""
+        return "sm_90a"
+
+    @property
+    def sparse(self) -> bool:
+        return "sparse24" in self.value
+
+    @property
+    def gemv(self) -> bool:
+        """A memory-bound small-batch kernel (tile: warps, rows per warp, rows of x; for the
+        tensor-core ones warps, units of 16 output features, tiles of 8 rows of x)."""
+        return self.value.startswith("gemv")
+
+    @property
+    def clustered(self) -> bool:
+        """A tensor-core small-batch kernel: its launch's ``splits`` are the blocks of a
+        cluster that split K (0: the kernel picks them for the shape it runs)."""
+        return self.value.startswith("gemv_mma")
+
+    @property
+    def bsr(self) -> bool:
+        """A block-sparse kernel (tile = block rows, block columns, rows of x)."""
+        return self.value.startswith("bsr")
+
+    @property
+    def csr(self) -> bool:
+        """An unstructured sparse kernel (tile = rows of a weight tile, rows of x, entries per tile)."""
+        return self.value.startswith("csr")
+
+    @property
+    def per_entry(self) -> bool:
+        """A CUDA-core kernel whose work follows a CSR weight's stored entries, with 8 rows of x
+        staged in shared memory (templates/staged_x.j2): the residual pass of a split weight and
+        the sparse product (tile = rows of x per CTA, threads per CTA, the largest K staged)."""
+        return self in (Family.RESIDUAL_SM90, Family.SPMM_SM90)
+
+    @property
+    def own_launch(self) -> bool:
+        """A kernel written with its own launch (gemv, BSR, CSR, per entry): no CUTLASS
+        schedule, scheduler, cluster or operand-layout options (the op transposes x and y where
+        a site needs it)."""
+        return self.gemv or self.bsr or self.csr or self.per_entry
+
+    @property
+    def compressor(self) -> bool:
+        """A kernel that packs weights (``_sizes``/``_compress`` entry points) rather than a
+        product (``_run``/``_workspace_size``)."""
+        return self is Family.SM90_COMPRESS24
+
+    @property
+    def nonfinite_pass(self) -> bool:
+        """A product that skips what dense would compute (``0 * NaN``), so it exports a pass
+        (``_propagate_nonfinite``) that makes NaN and Inf of x reach y as in dense F.linear,
+        run unless the call's flags say unchecked (sparsecc.kernels.nonfinite_guard)."""
+        return self in (Family.SM90_SPARSE24, Family.BSR_SM90_WGMMA, Family.BSR_SM90_PAIRS, Family.BSR_MMA_SM90)
+
+
+class Schedule(str, enum.Enum):
+    COOPERATIVE = "cooperative"
+    PINGPONG = "pingpong"
+
+
+class Scheduler(str, enum.Enum):
+    """How output tiles are spread over the SMs: one persistent wave, stream-K (which splits K
+    across CTAs when there are too few tiles, e.g. small batch), or K cut into slices run as a
+    batch whose fp32 sums a second kernel adds (dense GEMMs only: templates/gemm_sm90_dense)."""
+
+    PERSISTENT = "persistent"
+    STREAMK = "streamk"
+    SLICED = "sliced"
+
+
+DTYPES = ("float16", "bfloat16")
+_SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+#: tile shapes (M, N, K of the GEMM: out features x rows x in features) each family accepts.
+#: Every sm90 2:4 tile has K = 128, so one compressed layout serves all of them.
+TILES = {
+    Family.SM90_SPARSE24: {(64, 128, 128), (64, 256, 128), (128, 64, 128), (128, 128, 128),
+                           (128, 256, 128), (256, 128, 128), (256, 64, 128), (64, 64, 128)},
+    Family.SM90_DENSE: {(64, 64, 64), (64, 128, 64), (64, 256, 64), (128, 64, 64), (128, 128, 64), (128, 256, 64),
+                        (256, 128, 64), (128, 128, 128), (128, 256, 128)},
+    Family.SM90_COMPRESS24: {(128, 128, 128)},
+    # (warps per block, output features per warp, rows of x per block)
+    Family.GEMV_SM90_SPARSE24: {(w, r, m) for w in (2, 4, 8) for r in (1, 2, 4) for m in (1, 2, 4, 8, 16)},
+    # the tensor-core small-batch kernels: (warps per block, 16-feature units of W per block,
+    # 8-row tiles of x per block); the launch's splits are the blocks per cluster. Sixteen warps
+    # split K within a block (partial sums meet in shared memory, not across a cluster) where a
+    # short weight leaves few blocks; one tile of x only (two would stage 64 KB of x)
+    Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)}
+                                   | {(16, u, 1) for u in (1, 2, 4)},
+    Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
+}
+#: BSR block sizes (rows, columns) the kernels take, square or not
+BSR_BLOCK_SIDES = (16, 32, 64, 128)
+#: rows of x per CTA of the wgmma BSR kernel: one consumer warpgroup of 64 rows, or two
+BSR_WGMMA_TILE_M = (64, 128, 256)
+#: rows of x per CTA of the wgmma BSR kernel on pairs of 64-row block rows (wgmma's N: one CTA
+#: an SM at 256, two at 128)
+BSR_PAIRS_TILE_M = (128, 256)
+#: rows of x per CTA of the small-batch tensor-core BSR kernel (two mma n-tiles of 8)
+BSR_MMA_TILE_M = (16,)
+
+# (block rows, block columns, rows of x per CTA)
+TILES[Family.BSR_SM90_WGMMA] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_WGMMA_TILE_M}
+TILES[Family.BSR_SM90_PAIRS] = {(64, w, m) for w in BSR_BLOCK_SIDES for m in BSR_PAIRS_TILE_M}
+TILES[Family.BSR_MMA_SM90] = {(h, w, m) for h in BSR_BLOCK_SIDES for w in BSR_BLOCK_SIDES for m in BSR_MMA_TILE_M}
+#: the unstructured kernel: rows of a weight tile (its columns are 64), rows of x per CTA, and the
+#: stored entries a tile may have (the packing picks the smallest that holds its fullest tile)
+CSR_TILE_N = 64
+CSR_TILE_M = (16, 32, 64, 128)
+CSR_CAPACITIES = (256, 512, 1024, 1536, 2048, 4096)
+#: the capacities csr_sm90 (the mma.sync kernel, up to 16 rows of x) is built for: a weight packed
+#: for 1536 runs on its 2048 build, which held 11008x4096 at 16 rows and d = 0.3 in 42.8 us where
+#: the 1536 build took 45.5 (five stages of two tiles against four); the wgmma kernel gains from
+#: 1536 (47.1 against 48.8 us at 64 rows: five stages against four)
+CSR_SM90_CAPACITIES = tuple(c for c in CSR_CAPACITIES if c != 1536)
+#: the version of the tiled CSR packing (sparsecc.kernels.csr) the CSR kernels read, part of their
+#: symbols: raised whenever that layout changes, so that a module saved with weights packed the
+#: old way names kernels no process loads any more (sparsecc.runtime.loader.get says why) instead of having its
+#: weights misread. 2: slots in the 128-byte K-major swizzle.
+CSR_LAYOUT = 2
+TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_SM90_CAPACITIES}
+#: rows of x per CTA of the wgmma CSR kernel: one consumer warpgroup of 64 rows, or two
+CSR_WGMMA_TILE_M = (64, 128)
+TILES[Family.CSR_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for c in CSR_CAPACITIES}
+#: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
+#: threads, K up to 12288 staged (192 KB of shared memory)
+TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
+#: the residual pass's mode 0 (sparsecc.csr_split.BY_ROWS) stages x from this many rows of x,
+#: below it gathers (templates/residual_sm90.cu.j2; the cost model prices the mode it picks)
+RESIDUAL_STAGED_MIN_ROWS = 256
+DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
+                Family.SM90_COMPRESS24: (128, 128, 128), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
+                Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
+                Family.BSR_SM90_WGMMA: (64, 64, 128),
+                Family.BSR_SM90_PAIRS: (64, 64, 256),
+                Family.BSR_MMA_SM90: (64, 64, 16),
+                Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
+                Family.RESIDUAL_SM90: (8, 256, 12288),
+                Family.SPMM_SM90: (8, 256, 12288)}
+CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
+
+
+def _csr_stages_fitting(tile_m: int, capacity: int, step_tiles: int) -> int:
+    """Pipeline stages of the CSR kernel that fit 113 KB of shared memory (two CTAs per SM) beside
+    its double-buffered dense tile and the K slice's tile offsets (1 KB): a stage holds x's
+    columns and the entries (2-byte value, 2-byte slot) of ``step_tiles`` tiles."""
+    step_k = 64 * step_tiles
+    stage_bytes = tile_m * step_k * 2 + capacity * step_tiles * 4
+    return (113 * 1024 - 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: family, dtype, operand layouts and tiling. Validated on creation.
+
+    The epilogue (bias or not, which activation) is a run-time argument of every generated
+    kernel, so one kernel serves every site with the same shape class."""
+
+    family: Family
+    dtype: str
+    x_transposed: bool = False      # x arrives as [K, M] (CUTLASS B row-major)
+    transpose_out: bool = False     # store y^T (CUTLASS D row-major)
+    tile: tuple[int, int, int] = ()
+    cluster: tuple[int, int] = (1, 1)
+    schedule: Schedule = Schedule.COOPERATIVE
+    scheduler: Scheduler = Scheduler.PERSISTENT
+
+    def __post_init__(self):
+        object.__setattr__(self, "family", Family(self.family))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "scheduler", Scheduler(self.scheduler))
+        object.__setattr__(self, "tile", tuple(self.tile) or DEFAULT_TILE[self.family])
+        object.__setattr__(self, "cluster", tuple(self.cluster))
+        if self.dtype not in DTYPES:
+            raise InputError(f"kernels are generated for {DTYPES}, not {self.dtype!r}")
+        if self.tile not in TILES[self.family]:
+            raise InputError(f"tile {self.tile} is not one of {sorted(TILES[self.family])} for {self.family.value}")
+        if self.cluster not in CLUSTERS:
+            raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
+        if self.scheduler is Scheduler.STREAMK and self.schedule is not Schedule.COOPERATIVE:
+            raise InputError("the stream-K scheduler needs the cooperative schedule")
+        if self.scheduler is Scheduler.SLICED and self.family is not Family.SM90_DENSE:
+            raise InputError(f"the sliced scheduler (split-K as a batch) is written for {Family.SM90_DENSE.value} only")
+        if self.family.own_launch and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
+                                       or self.schedule is not Schedule.COOPERATIVE
+                                       or self.x_transposed or self.transpose_out):
+            raise InputError(f"{self.family.value} kernels take no cluster, schedule, scheduler or operand-layout options")
+        if self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and not self.family.own_launch:
+            raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
+        if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):
+            raise InputError("x_transposed and transpose_out are booleans")
+
+    @property
+    def arch(self) -> str:
+        return self.family.arch
+
+    @property
+    def template(self) -> str:
+        return f"{self.family.value}.cu.j2"
+
+    @property
+    def mainloop_schedule(self) -> str:
+        return {Schedule.COOPERATIVE: "KernelTmaWarpSpecializedCooperative",
+                Schedule.PINGPONG: "KernelTmaWarpSpecializedPingpong"}[self.schedule]
+
+    @property
+    def epilogue_schedule(self) -> str:
+        return {Schedule.COOPERATIVE: "TmaWarpSpecializedCooperative",
+                Schedule.PINGPONG: "TmaWarpSpecialized"}[self.schedule]
+
+    @property
+    def csr_warps(self) -> tuple[int, int]:
+        """(warps along x's rows, warps along the tile's rows) of the CSR kernel: four warps."""
+        return (1, 4) if self.tile[1] == 16 else (2, 2)
+
+    @property
+    def csr_step_tiles(self) -> int:
+        """Weight tiles (along K) per pipeline stage of the CSR kernels: for csr_sm90 four for x
+        tiles of up to 32 rows, two for 64, one for 128, halved while three stages do not fit
+        (large tile capacities); one for csr_wgmma_sm90."""
+        _, tile_m, capacity = self.tile
+        if self.family is Family.CSR_WGMMA_SM90:
+            return 1
+        tiles = {16: 4, 32: 4, 64: 2, 128: 1}[tile_m]
+        while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles) < 3:
+            tiles //= 2
+        return tiles
+
+    @property
+    def csr_stages(self) -> int:
+        """Pipeline stages of the CSR kernel: as many as fit the shared memory of two CTAs per SM,
+        between 3 (the helper warps refill a stage two steps after the one they scatter) and 8:
+        a sparse weight's small tile capacity buys a deep pipeline, which hides memory latency
+        at small batch."""
+        _, tile_m, capacity = self.tile
+        return max(3, min(8, _csr_stages_fitting(tile_m, capacity, self.csr_step_tiles)))
+
+    @property
+    def symbol(self) -> str:
+        """A C identifier that spells the whole configuration out."""
+        if self.family is Family.SM90_COMPRESS24:
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}"
+        if self.family.bsr:
+            h, w, m = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_b{h}x{w}_m{m}"
+        if self.family.per_entry:
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_r{self.tile[0]}"
+        if self.family.csr:
+            n, m, capacity = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}_l{CSR_LAYOUT}"
+        if self.family in (Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_MMA_SM90_DENSE):
+            w, u, x = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_x{x}"
+        if self.family.gemv:
+            w, r, m = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_r{r}_m{m}"
+        layouts = f"b{'row' if self.x_transposed else 'col'}_d{'row' if self.transpose_out else 'col'}"
+        tile = "x".join(map(str, self.tile))
+        cluster = "x".join(map(str, self.cluster))
+        schedule = "coop" if self.schedule is Schedule.COOPERATIVE else "pp"
+        scheduler = {Scheduler.STREAMK: "_sk", Scheduler.SLICED: "_ks"}.get(self.scheduler, "")
+        return (f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_{layouts}"
+                f"_t{tile}_c{cluster}_{schedule}{scheduler}")
+
+    def describe(self) -> str:
+        data = asdict(self)
+        data.update(family=self.family.value, schedule=self.schedule.value, scheduler=self.scheduler.value)
+        return json.dumps(data, sort_keys=True)
+
+    def with_(self, **changes) -> "KernelSpec":
+        return KernelSpec(**{**asdict(self), **changes})

@@ -1,0 +1,1 @@
+"""What the compiler's passes, planner and kernels exchange: formats, sites, plans, epilogues."""

@@ -1,0 +1,142 @@
+"""The plan: per site, what was measured, what was considered, what was chosen and why.
+
+A plan is plain data. ``table()`` prints it for a person, ``to_json()``/``from_json()``
+save and load it, and ``sparsecc.compile(..., plan=plan)`` replays its choices.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .._version import __version__
+from ..errors import PlanError
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class Candidate:
+    format: str
+    predicted_us: float
+    nbytes: int
+    measured_us: float | None = None
+
+
+@dataclass
+class SitePlan:
+    name: str                    # weight's qualified name in the model (+ "#k" if reused)
+    module_path: str             # the traced module that holds the site
+    shape: list[int]             # [N, K]
+    dtype: str
+    m: int | None                # rows seen with the example inputs
+    epilogue: str                # e.g. "bias+gelu+T"
+    density: float
+    fits: list[str]              # tightest n:m patterns the weight fits
+    block_density: dict[str, float]
+    candidates: list[Candidate]
+    choice: str
+    reason: str
+    bytes_before: int
+    bytes_after: int
+    buckets: list[dict] = field(default_factory=list)
+    m_range: list[int] | None = None    # the declared batch range the choice covers
+
+    @property
+    def label(self) -> str:
+        return self.name[: -len(".weight")] if self.name.endswith(".weight") else self.name
+
+
+@dataclass
+class Plan:
+    sites: list[SitePlan]
+    device: str
+    torch_version: str = torch.__version__
+    sparsecc_version: str = __version__
+    untraced: dict[str, str] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+    #: the launches tuned on this GPU while planning and packing (sparsecc.kernels.tune.Tuned)
+    tuning: list[dict] = field(default_factory=list)
+
+    def __iter__(self):
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __getitem__(self, name: str) -> SitePlan:
+        for site in self.sites:
+            if site.name == name or site.label == name:
+                return site
+        raise KeyError(name)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(s.bytes_before for s in self.sites)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(s.bytes_after for s in self.sites)
+
+    def choices(self) -> dict[str, str]:
+        return {s.name: s.choice for s in self.sites}
+
+    def table(self) -> str:
+        """A readable per-site table, then the reasons and anything left untraced."""
+        header = ["layer", "N x K", "dtype", "M", "epilogue", "density", "fits",
+                  "candidates (predicted us)", "choice", "bytes before -> after"]
+        rows = []
+        for s in self.sites:
+            cands = ", ".join(f"{c.format}={c.predicted_us:.1f}" + (f"(meas {c.measured_us:.1f})" if c.measured_us else "")
+                              for c in s.candidates) or "-"
+            rows.append([s.label, f"{s.shape[0]}x{s.shape[1]}", s.dtype, str(s.m or "?"), s.epilogue,
+                         f"{s.density:.3f}", " ".join(s.fits) or "-", cands, s.choice,
+                         f"{_size(s.bytes_before)} -> {_size(s.bytes_after)}"])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        lines = [f"sparsecc plan for {self.device}: {len(self.sites)} linear site(s), weights "
+                 f"{_size(self.bytes_before)} -> {_size(self.bytes_after)}"]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        if self.sites:
+            lines.append("")
+            lines += [f"{s.label}: {s.choice} -- {s.reason}" for s in self.sites]
+        for path, why in self.untraced.items():
+            lines.append(f"untraced {path}: {why}")
+        if self.tuning:
+            seconds = sum(t["seconds"] for t in self.tuning)
+            lines.append(f"tuned on this GPU: {len(self.tuning)} launch choice(s) in {seconds:.1f} s")
+            lines += [f"  {t['family']} {t['n']}x{t['k']} {t['dtype']} M={t['m']}: {t['launch']} {t['us']:.1f} us "
+                      f"({t['candidates']} candidates, {t['seconds']:.1f} s)" for t in self.tuning]
+        return "\n".join(lines)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(asdict(self), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> "Plan":
+        """Load a plan from a JSON string or a file path."""
+        text = Path(source).read_text() if isinstance(source, Path) or not str(source).lstrip().startswith("{") else source
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+                found = data.get("version") if isinstance(data, dict) else type(data).__name__
+                raise PlanError(f"not a sparsecc plan of version {PLAN_VERSION} (found {found!r})")
+            sites = [SitePlan(**{**s, "candidates": [Candidate(**c) for c in s["candidates"]]})
+                     for s in data.pop("sites")]
+            return cls(sites=sites, **data)
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise PlanError(f"not a sparsecc plan: {type(error).__name__}: {error}") from error
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes}"

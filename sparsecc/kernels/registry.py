@@ -1,0 +1,145 @@
+"""The kernel families, and what the planner asks of them: which families may run a format for
+a weight (and why none can), how a chosen site is packed, and which kernels a plan needs.
+
+The planner never names a family: it asks here. Adding a family is one module implementing
+:class:`~sparsecc.kernels.base.KernelFamily`, one template, and one entry in :data:`FAMILIES`.
+Compile plans sparse formats only (a dense site runs torch's GEMM, which Inductor can fuse);
+the dense families run a dense weight on sparsecc's own kernels where a caller asks for them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codegen.spec import KernelSpec
+from ..errors import InputError
+from ..ir.formats import NM_2_4, FormatSpec, PackedWeight
+from ..runtime.timing import packed_runner, time_all_us
+from .base import KernelFamily
+from .bsr import Bsr
+from .csr import CsrTiled
+from .csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY
+from .csr_spmm import CsrSpmm
+from .csr_split import CsrSplit
+from .dense import SMALL as DENSE_SMALL
+from .dense import DenseGemm
+from .sparse24_small import GEMM, GEMV, MMA, choose, pack_24
+
+BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
+
+#: every kernel family, in the order their kernels are preferred where several serve a site
+FAMILIES: tuple[KernelFamily, ...] = (DenseGemm(), DENSE_SMALL, GEMM, GEMV, MMA, BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM)
+#: the format kinds compile may choose a kernel family for
+PLANNED_KINDS = ("nm", "bsr", "csr")
+#: the batch an unstructured weight's kernels are timed at when the site's batch is not known
+UNKNOWN_M = 128
+#: how a plan's reason names each CSR family it timed
+CSR_LABELS = {CSR_TILED: "the tiled CSR kernel", CSR_SPLIT: "split onto the 2:4 kernels plus a residual pass",
+              CSR_SPMM: "the CUDA-core CSR kernel"}
+
+
+def by_impl(impl: str) -> KernelFamily | None:
+    """The family that prices the cost model's implementation ``impl``, or None (torch's paths)."""
+    return next((family for family in FAMILIES if impl in family.impls), None)
+
+
+def serving(spec: FormatSpec) -> list[KernelFamily]:
+    """The families that run the format ``spec`` (whatever the weight)."""
+    if spec.kind not in PLANNED_KINDS:
+        return []
+    return [family for family in FAMILIES if family.kind == spec.kind]
+
+
+def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype) -> str | None:
+    """Why none of sparsecc's kernels runs ``spec`` for a weight of this shape and dtype, or None."""
+    reasons = [family.refuses(spec, shape, dtype) for family in serving(spec)]
+    if not reasons:
+        return f"sparsecc has no kernel for {spec}"
+    return None if None in reasons else reasons[0]
+
+
+def packed_nbytes(spec: FormatSpec, stats, element: int) -> int | None:
+    """The bytes of a weight packed for sparsecc's kernels where their layout's differ from the
+    portable format's (None: they do not)."""
+    return next((n for family in serving(spec) for n in [family.nbytes(stats, element)] if n is not None), None)
+
+
+def candidates(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], planned_m: int | None) -> list[KernelFamily]:
+    """The families compile may pack a site of ``spec`` planned for ``planned_m`` rows into: for
+    2:4 the one :func:`~sparsecc.kernels.sparse24_small.choose` picks, for CSR every family that
+    takes the shape (the fastest on the weight is packed, :func:`pack_unstructured`)."""
+    if spec == NM_2_4:
+        return [choose(dtype, shape, planned_m)]
+    return [family for family in serving(spec) if family.refuses(spec, shape, dtype) is None]
+
+
+def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: tuple[int, int] | None = None,
+         progress: bool = False) -> PackedWeight:
+    """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known), its
+    kernels loaded; the launches of the batches in ``tune_range`` are tuned first where they
+    may be (:mod:`sparsecc.kernels.tune`)."""
+    reason = refusal(spec, tuple(weight.shape), weight.dtype)
+    if reason:
+        raise InputError(reason)
+    if spec == NM_2_4:
+        return pack_24(weight, m, tune_range=tune_range, progress=progress)
+    if spec.kind == "csr":
+        return pack_unstructured(weight, m, tune_range=tune_range, progress=progress)
+    return BSR.pack(weight, spec, m, tune_range=tune_range, progress=progress)
+
+
+def pack_unstructured(weight: torch.Tensor, m: int | None, *, tune_range: tuple[int, int] | None = None,
+                      progress: bool = False) -> PackedWeight:
+    """An unstructured weight packed for the fastest of the CSR families at ``m`` rows, timed on
+    the weight itself (CUDA-graph replay, a few milliseconds each): the tiled kernels (their time
+    follows the 64x64 tiles, whatever their entries), the split onto the 2:4 kernels plus a
+    residual pass (its time follows the entries beyond two per group of four), and the CUDA-core
+    kernel (its time follows the entries; timed up to :data:`SPMM_MAX_DENSITY`). Each wins
+    somewhere, by shape, density and batch, hence the timing. The returned weight's
+    ``selection`` says what was timed."""
+    shape, dtype = tuple(weight.shape), weight.dtype
+    density = int(torch.count_nonzero(weight)) / max(weight.numel(), 1)
+    families = [f for f in candidates(FormatSpec("csr"), dtype, shape, m)
+                if f is not CSR_SPMM or density <= SPMM_MAX_DENSITY]
+    if not families:
+        raise InputError(f"no CSR kernel takes this {shape[0]}x{shape[1]} weight at density {density:.3f}: "
+                         f"{refusal(FormatSpec('csr'), shape, dtype) or CSR_TILED.refuses(FormatSpec('csr'), shape, dtype)}"
+                         f" (the CUDA-core kernel takes weights at most {SPMM_MAX_DENSITY} dense)")
+    packed = {}
+    for family in families:
+        weight_packed = family.pack(weight, FormatSpec("csr"), m, tune_range=tune_range, progress=progress)
+        name = CSR_LABELS[family]
+        if family is CSR_SPLIT:
+            name = f"{name} of {weight_packed.residual_entries} entries"
+        packed[name] = weight_packed
+    if len(packed) == 1:
+        return next(iter(packed.values()))
+    rows = m or UNKNOWN_M
+    times = time_all_us({name: packed_runner(p, rows, weight.device) for name, p in packed.items()}, weight.device)
+    fastest = min(times, key=times.get)
+    others = ", ".join(f"{name} {times[name]:.1f} us" for name in sorted(times, key=times.get) if name != fastest)
+    packed[fastest].selection = f"{fastest}: {times[fastest]:.1f} us at M={rows}; {others}"
+    return packed[fastest]
+
+
+def kernel_specs(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], density: float,
+                 m: int | None) -> list[KernelSpec]:
+    """Every kernel a site of ``spec`` planned for ``m`` rows may run (what ``sparsecc generate``
+    builds): those of every family :func:`candidates` lists (a CSR site's depend on its weight's
+    fullest tile, which a plan does not record: the capacities its density may need)."""
+    if refusal(spec, shape, dtype) is not None:
+        return []
+    return list(dict.fromkeys(s for family in candidates(spec, dtype, shape, m)
+                              for s in family.kernel_specs(dtype, shape, spec, density, m)))
+
+
+def plan_kernels(plan) -> list[KernelSpec]:
+    """Every kernel a plan's sites need (its sites' ``choice``, ``dtype``, ``shape``, ``density``
+    and ``m``, the largest of a declared ``m_range`` where there is one)."""
+    specs: list[KernelSpec] = []
+    for site in plan:
+        dtype = getattr(torch, site.dtype, None)
+        m_range = getattr(site, "m_range", None)
+        m = m_range[1] if m_range else site.m
+        if isinstance(dtype, torch.dtype):
+            specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(site.shape), site.density, m)
+    return list(dict.fromkeys(specs))

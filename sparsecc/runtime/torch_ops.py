@@ -1,0 +1,279 @@
+"""The custom ops that replace linear sites: one per format family.
+
+Every op computes ``y = act(x' @ W^T + bias)`` where ``x' = x`` (``[..., K]``) or, with
+``x_transposed``, ``x' = x^T`` (``x`` is ``[..., K, M]``), and stores ``y`` (``[..., N]``) or,
+with ``transpose_out``, ``y^T``. The ops differ only in how ``W`` arrives:
+
+=========================  ===============================================================
+``sparsecc::linear_dense``  ``weight [N, K]``
+``sparsecc::linear_nm``     ``values, indices`` of an n:m weight (see sparsecc.ir.formats)
+``sparsecc::linear_bsr``    ``crow, col, values [nnzb, h, w]``
+``sparsecc::linear_csr``    ``crow, col, values``
+=========================  ===============================================================
+
+The implementations here run on torch's own kernels on any device (dense GEMM, MKL/cuSPARSE
+CSR and BSR, or block products where torch has no BSR kernel for the dtype or block);
+fp16/bf16 sparse products accumulate in fp32 (sites on generated CUDA kernels run through
+their own op, ``sparsecc::linear_kernel`` in sparsecc.runtime.kernel_op). Each op also has a fake
+implementation (shapes only) for tracing and torch.compile. The ops are defined with
+``torch.library.Library`` (one implementation for every device, CompositeExplicitAutograd)
+rather than ``torch.library.custom_op``, whose Python layers cost about 10 us more per call.
+
+What every op accepts (checked by :func:`_prepare`, the same for all four):
+
+- ``x`` must have the weight's dtype and K features; anything else raises InputError
+  naming both. Any strides and any alignment are fine, and ``M = 0`` gives an empty output.
+- ``bias`` must have shape ``[N]``; another shape raises InputError (it is never
+  broadcast). A bias of another dtype is cast to ``x``'s dtype first, as the CUDA kernels
+  do, so a float32 bias on an fp16 site works and rounds like an fp16 bias.
+- an unknown ``activation`` raises InputError.
+- NaN and infinities in ``x`` propagate exactly as in dense ``F.linear`` with the same
+  weight, zeros included (``0 * NaN = NaN``): see :func:`_has_nonfinite`. The CUDA 2:4
+  and BSR kernels do the same on the GPU (:mod:`sparsecc.kernels.nonfinite_guard` says how).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import InputError
+from ..ir.epilogue import Activation, apply_activation
+
+_LIB = torch.library.Library("sparsecc", "FRAGMENT")
+
+
+def _define(schema: str, fake):
+    """Define ``sparsecc::<schema>`` with the decorated function as its implementation on every
+    device and ``fake`` as its shape function; returns the op (an OpOverload)."""
+    name = schema.split("(", 1)[0]
+
+    def register(implementation):
+        _LIB.define(schema)
+        _LIB.impl(name, implementation, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"sparsecc::{name}", fake, lib=_LIB)
+        return getattr(torch.ops.sparsecc, name).default
+    return register
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _rows(x: Tensor, x_transposed: bool, in_features: int) -> tuple[Tensor, tuple[int, ...]]:
+    """``x`` as a [M, K] matrix and the leading shape of the output rows."""
+    xt = x.transpose(-1, -2) if x_transposed and x.dim() > 1 else x
+    if xt.shape[-1] != in_features:
+        raise InputError(f"sparsecc linear: input has {xt.shape[-1]} features along K, the "
+                         f"weight expects {in_features} (input shape {tuple(x.shape)}, "
+                         f"x_transposed={x_transposed})")
+    lead = tuple(xt.shape[:-1])
+    return xt.reshape(-1, in_features), lead
+
+
+def _check_dtype(x: Tensor, weight_dtype: torch.dtype) -> None:
+    if x.dtype != weight_dtype:
+        raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's "
+                         f"{weight_dtype}; cast the input (as F.linear would require)")
+
+
+def _check_bias(bias: Optional[Tensor], out_features: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """``bias`` as an ``[N]`` tensor of ``dtype`` (the input's): another dtype is cast, as the
+    CUDA kernels do; a wrong shape is refused, since broadcasting it would hide the mistake."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != (out_features,):
+        raise InputError(f"sparsecc linear: bias has shape {tuple(bias.shape)}, the weight has "
+                         f"{out_features} output features (expected a bias of shape ({out_features},))")
+    return bias.to(dtype)
+
+
+def _prepare(x: Tensor, weight_dtype: torch.dtype, out_features: int, in_features: int,
+             bias: Optional[Tensor], activation: str,
+             x_transposed: bool) -> tuple[Tensor, tuple[int, ...], Optional[Tensor]]:
+    """Check an op's arguments (see the module docstring) and return ``x`` as [M, K] rows,
+    the leading shape of the output rows, and the bias in ``x``'s dtype."""
+    Activation.parse(activation)
+    _check_dtype(x, weight_dtype)
+    x2d, lead = _rows(x, x_transposed, in_features)
+    return x2d, lead, _check_bias(bias, out_features, x.dtype)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sparse product runs in: fp16/bf16 accumulate in fp32."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _has_nonfinite(x2d: Tensor) -> bool:
+    """Whether ``x2d`` holds a NaN or an infinity.
+
+    A torch sparse product only multiplies the stored values, so a NaN or Inf of ``x`` that
+    meets a zero of the weight is skipped, where dense ``F.linear`` gives ``0 * NaN = NaN``
+    (and ``0 * Inf = NaN``). The CSR and BSR ops check with this and take a dense product
+    when it returns True. One reduction is cheap next to the product: a sum over a NaN or
+    an infinity is not finite; a sum of finite values that overflows is a false alarm that
+    only costs the dense fallback. (On CUDA, reading the answer waits for the device.)
+    """
+    return not bool(torch.isfinite(x2d.sum()))
+
+
+def _finish(y: Tensor, lead: tuple[int, ...], bias: Optional[Tensor], activation: str,
+            transpose_out: bool, out_dtype: torch.dtype) -> Tensor:
+    """Epilogue on a [M, N] product: bias, activation, cast, reshape, optional transpose."""
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    y = apply_activation(y, activation).to(out_dtype)
+    y = y.reshape(*lead, y.shape[-1])
+    if transpose_out and y.dim() > 1:
+        y = y.transpose(-1, -2)
+    return y.contiguous()
+
+
+def output_shape(x: Tensor, x_transposed: bool, out_features: int, transpose_out: bool) -> list[int]:
+    if x.dim() == 1:
+        return [out_features]
+    lead = list(x.shape[:-2]) + [x.shape[-1]] if x_transposed else list(x.shape[:-1])
+    shape = lead + [out_features]
+    if transpose_out:
+        shape[-1], shape[-2] = shape[-2], shape[-1]
+    return shape
+
+
+def linear_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                 x_transposed: bool, transpose_out: bool) -> Tensor:
+    """A site computed with plain torch ops (what a site that stays dense becomes): the same
+    math as the custom ops, in a form Inductor can fuse and that costs no dispatch."""
+    if x.dim() == 1:
+        x_transposed = transpose_out = False
+    y = F.linear(x.transpose(-1, -2) if x_transposed else x, weight, bias)
+    y = apply_activation(y, activation)
+    return y.transpose(-1, -2) if transpose_out else y
+
+
+def _sparse_matmul(weight: Tensor, x2d: Tensor) -> Tensor:
+    """``weight`` (a torch sparse [N, K] tensor) times ``x2d^T``, returned as [M, N]."""
+    return (weight @ x2d.t()).t()
+
+
+# ---------------------------------------------------------------------------- dense
+
+@_define("linear_dense(Tensor x, Tensor weight, Tensor? bias, str activation, bool x_transposed, "
+         "bool transpose_out) -> Tensor",
+         lambda x, weight, bias, activation, x_transposed, transpose_out:
+         x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out)))
+def linear_dense(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
+                 x_transposed: bool, transpose_out: bool) -> Tensor:
+    """A dense site (``weight [N, K]``); arguments are checked as the module docstring says."""
+    _, _, bias = _prepare(x, weight.dtype, weight.shape[0], weight.shape[1], bias, activation,
+                          x_transposed)
+    return linear_torch(x, weight, bias, activation, x_transposed, transpose_out).contiguous()
+
+
+# ---------------------------------------------------------------------------- n:m
+
+def nm_to_dense(values: Tensor, indices: Tensor, n: int, m: int, in_features: int) -> Tensor:
+    """Unpack an n:m weight to dense [N, K] (the layout of sparsecc.formats.NMWeight)."""
+    rows = values.shape[0]
+    groups = values.shape[1] // n
+    dense = values.new_zeros(rows, groups, m)
+    dense.scatter_(-1, indices.reshape(rows, groups, n).long(), values.reshape(rows, groups, n))
+    return dense.reshape(rows, groups * m)[:, :in_features]
+
+
+@_define("linear_nm(Tensor x, Tensor values, Tensor indices, int n, int m, int in_features, Tensor? bias, "
+         "str activation, bool x_transposed, bool transpose_out) -> Tensor",
+         lambda x, values, indices, n, m, in_features, bias, activation, x_transposed, transpose_out:
+         x.new_empty(output_shape(x, x_transposed, values.shape[0], transpose_out)))
+def linear_nm(x: Tensor, values: Tensor, indices: Tensor, n: int, m: int, in_features: int,
+              bias: Optional[Tensor], activation: str, x_transposed: bool,
+              transpose_out: bool) -> Tensor:
+    """An n:m site: the weight is unpacked to dense, so the product is a dense one (NaN and
+    Inf propagate as in F.linear); arguments are checked as the module docstring says."""
+    x2d, lead, bias = _prepare(x, values.dtype, values.shape[0], in_features, bias, activation,
+                               x_transposed)
+    weight = nm_to_dense(values, indices, n, m, in_features)
+    y = F.linear(x2d, weight)
+    return _finish(y, lead, bias, activation, transpose_out, x.dtype)
+
+
+# ---------------------------------------------------------------------------- bsr
+
+def _sparse_fake(x, crow, col, values, out_features, in_features, bias, activation, x_transposed, transpose_out):
+    """The output's shape for the BSR and CSR ops (they take the same arguments)."""
+    return x.new_empty(output_shape(x, x_transposed, out_features, transpose_out))
+
+
+def torch_has_bsr_kernel(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> bool:
+    """Whether ``bsr @ dense`` has a native torch kernel here (MKL on CPU: fp32/fp64 and
+    square blocks; cuSPARSE on CUDA: square blocks)."""
+    if device.type in ("cpu", "cuda"):
+        return block[0] == block[1] and (device.type == "cuda" or dtype in (torch.float32, torch.float64))
+    return False
+
+
+def _bsr_block_products(crow: Tensor, col: Tensor, values: Tensor, out_features: int,
+                        x2d: Tensor) -> Tensor:
+    """BSR times dense as one batched product over the stored blocks: [M, N]."""
+    nnzb, h, w = values.shape
+    rows = x2d.shape[0]
+    block_row = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=crow.device),
+                                        (crow[1:] - crow[:-1]).long())
+    x_blocks = x2d.reshape(rows, x2d.shape[1] // w, w)[:, col.long()].permute(1, 2, 0)  # [nnzb, w, M]
+    products = torch.bmm(values, x_blocks)                                   # [nnzb, h, M]
+    out = products.new_zeros(out_features // h, h, rows)
+    out.index_add_(0, block_row, products)
+    return out.reshape(out_features, rows).t()
+
+
+@_define("linear_bsr(Tensor x, Tensor crow, Tensor col, Tensor values, int out_features, int in_features, "
+         "Tensor? bias, str activation, bool x_transposed, bool transpose_out) -> Tensor",
+         _sparse_fake)
+def linear_bsr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
+               in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
+               transpose_out: bool) -> Tensor:
+    """A BSR site; arguments are checked as the module docstring says. Non-finite inputs
+    take a dense product (see :func:`_has_nonfinite`)."""
+    x2d, lead, bias = _prepare(x, values.dtype, out_features, in_features, bias, activation,
+                               x_transposed)
+    compute = _compute_dtype(values.dtype)
+    vals, x2d = values.to(compute), x2d.to(compute)
+    block = (values.shape[1], values.shape[2])
+    weight = torch.sparse_bsr_tensor(crow, col, vals, (out_features, in_features),
+                                     check_invariants=False)
+    if _has_nonfinite(x2d):
+        y = F.linear(x2d, weight.to_dense())
+    elif torch_has_bsr_kernel(x.device, compute, block):
+        y = _sparse_matmul(weight, x2d)
+    else:
+        y = _bsr_block_products(crow, col, vals, out_features, x2d)
+    return _finish(y, lead, bias, activation, transpose_out, x.dtype)
+
+
+# ---------------------------------------------------------------------------- csr
+
+@_define("linear_csr(Tensor x, Tensor crow, Tensor col, Tensor values, int out_features, int in_features, "
+         "Tensor? bias, str activation, bool x_transposed, bool transpose_out) -> Tensor",
+         _sparse_fake)
+def linear_csr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_features: int,
+               in_features: int, bias: Optional[Tensor], activation: str, x_transposed: bool,
+               transpose_out: bool) -> Tensor:
+    """A CSR site; arguments are checked as the module docstring says. Non-finite inputs
+    take a dense product (see :func:`_has_nonfinite`)."""
+    x2d, lead, bias = _prepare(x, values.dtype, out_features, in_features, bias, activation,
+                               x_transposed)
+    compute = _compute_dtype(values.dtype)
+    x2d = x2d.to(compute)
+    weight = torch.sparse_csr_tensor(crow, col, values.to(compute), (out_features, in_features),
+                                     check_invariants=False)
+    y = F.linear(x2d, weight.to_dense()) if _has_nonfinite(x2d) else _sparse_matmul(weight, x2d)
+    return _finish(y, lead, bias, activation, transpose_out, x.dtype)
+
+
+#: the op that runs each format family
+OP_FOR_KIND = {
+    "dense": torch.ops.sparsecc.linear_dense.default,
+    "nm": torch.ops.sparsecc.linear_nm.default,
+    "bsr": torch.ops.sparsecc.linear_bsr.default,
+    "csr": torch.ops.sparsecc.linear_csr.default,
+}

@@ -143,7 +143,8 @@ def format_nbytes(stats: WeightStats, spec: FormatSpec, element_size: int, on_ke
 def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> list[FormatSpec]:
     """Formats that represent the weight exactly: dense always, then the sparse ones listed by
     default (2:4 and the tightest sparse n:m per group size, BSR blocks at most 60% dense and
-    at most twice as dense as the sparsest block shape, CSR at most 50% dense) or, with
+    at most twice as dense as the sparsest block shape, CSR at most 50% dense where 2:4 does not
+    fit) or, with
     ``allowed``, those the restriction names."""
     found: list[FormatSpec] = [DENSE]
     if allowed is None:
@@ -156,7 +157,9 @@ def exact_candidates(stats: WeightStats, allowed: list[FormatSpec] | None) -> li
         sparsest_block = min(stats.block_density.values(), default=1.0)
         bsr = [FormatSpec("bsr", block=b) for b, d in stats.block_density.items()
                if d <= BSR_MAX_DENSITY and d <= BSR_DENSITY_SPREAD * sparsest_block]
-        csr = [FormatSpec("csr")] if stats.density <= CSR_MAX_DENSITY else []
+        # a weight that fits 2:4 runs as 2:4: CSR would run the same 2:4 kernels (split with no
+        # residual) or slower ones, and a timing between equals only picks noise
+        csr = [FormatSpec("csr")] if stats.density <= CSR_MAX_DENSITY and not stats.fits(NM_2_4) else []
         wanted = nm + bsr + csr
     else:
         wanted = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
             replaced[part.path] = part.module()
     compiled = tracing.assemble(prepared.model, replaced)
     compiled.sparsecc_plan = prepared.plan
+    compiled.register_forward_pre_hook(PackedSources(prepared.model, prepared.sites, decisions))
     if verify:
         _verify(compiled, prepared)
     return compiled
@@ -257,6 +259,50 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
             entry.reason += f"; packed for {packed.selection}"
         return packed
     return pack(site.weight, choice)
+
+
+class PackedSources:
+    """A compiled module's check, before each call, that the weights it packed are still the
+    model's: a weight changed in place (an optimizer step, ``mul_``) or replaced after compile
+    would leave the packed copy stale, so the call is refused with the fix instead (sites that
+    stayed dense read the model's weight and follow it). Weak references: the compiled module
+    keeps no weight alive. Skipped while torch.compile traces the module; a module saved and
+    loaded again has no model to compare with."""
+
+    def __init__(self, model: nn.Module, sites: list[LinearSite], decisions: dict):
+        self.watched = []
+        for site in sites:
+            if decisions.get(site.name) is None:
+                continue
+            path = ".".join(p for p in (site.module_path, site.weight_name) if p)
+            owner_path, _, attribute = path.rpartition(".")
+            try:
+                owner = model.get_submodule(owner_path)
+            except AttributeError:
+                continue
+            tensor = getattr(owner, attribute, None)
+            if isinstance(tensor, torch.Tensor):
+                self.watched.append((path, weakref.ref(owner), attribute, weakref.ref(tensor), tensor._version))
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if module.training and torch.is_grad_enabled() and self.watched:
+            raise SparseccError("a module from sparsecc.compile runs inference: its packed weights get no "
+                                "gradients. Call .eval() on it (and run it under torch.no_grad()), or fine-tune "
+                                "the model itself (sparsecc.pruning.attach_to_optimizer keeps its masks) and "
+                                "compile it afterwards")
+        for path, owner, attribute, tensor, version in self.watched:
+            live_owner, live = owner(), tensor()
+            if live_owner is None or live is None:
+                continue
+            if getattr(live_owner, attribute, None) is not live or live._version != version:
+                raise SparseccError(f"the weight {path} changed after sparsecc.compile packed it (in place, or "
+                                    "replaced): the compiled module would use the old values. Compile the model "
+                                    "again after changing its weights")
+
+    def __getstate__(self):
+        return {"watched": []}
 
 
 def _verify(compiled: nn.Module, prepared: _Prepared) -> None:

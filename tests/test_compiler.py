@@ -13,7 +13,7 @@ from sparsecc.ir.analysis import analyze
 from sparsecc.errors import InputError, PlanError, SparseccError
 from sparsecc.ir.formats import FormatSpec
 
-from conftest import assert_rel_close, block_sparse, n_m, unstructured
+from conftest import TOLERANCE, assert_rel_close, block_sparse, n_m, rel_error, unstructured
 from models import bert, gpt2, llama, mlp, sparsify_24
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "none": lambda t: t}
@@ -246,3 +246,60 @@ def test_kernel_build_failure_raises_or_falls_back(monkeypatch, gen):
     compiled = sparsecc.compile(model, x, formats=("2:4",))
     assert compiled.sparsecc_plan["0"].choice == "2:4" and "failed to build" in compiled.sparsecc_plan["0"].reason
     assert_rel_close(compiled(x), model(x), torch.float32)
+
+
+def test_a_packed_weight_changed_after_compile_is_refused_not_used(gen):
+    """The compiled module would use a stale packed copy: changing the weight in place, or
+    replacing it, makes its next call raise; sites that stayed dense follow the model."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(64, 64, 2, 4, gen))
+    x = torch.randn(8, 64, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    assert compiled.sparsecc_plan.choices() == {"0.weight": "2:4", "2.weight": "dense"}
+    with torch.no_grad():
+        model[2].weight.mul_(2.0)                       # a dense site: followed
+        assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float32]
+        model[0].weight.mul_(1.5)                       # the packed site: refused
+        with pytest.raises(sparsecc.SparseccError, match="0.weight changed after sparsecc.compile"):
+            compiled(x)
+        again = sparsecc.compile(model, x, formats=("2:4",))
+        model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+        with pytest.raises(sparsecc.SparseccError, match="compile the model\\s+again|Compile the model again"):
+            again(x)
+
+
+def test_a_compiled_module_runs_inference_only(gen):
+    """Gradients would not reach packed weights: calling the compiled module in training mode
+    with gradients on is refused with the fix; in eval mode, or under no_grad, it runs."""
+    model = nn.Sequential(nn.Linear(64, 32))
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(32, 64, 2, 4, gen))
+    x = torch.randn(4, 64, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    assert compiled.training
+    with pytest.raises(sparsecc.SparseccError, match="eval"):
+        compiled(x)
+    with torch.no_grad():
+        assert rel_error(compiled(x), model(x)) <= TOLERANCE[torch.float32]
+    compiled.eval()
+    assert compiled(x).shape == (4, 32)
+
+
+def test_a_compiled_module_saves_and_loads(gen, tmp_path):
+    model = nn.Sequential(nn.Linear(64, 32)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(n_m(32, 64, 2, 4, gen))
+    x = torch.randn(4, 64, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    torch.save(compiled, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), compiled(x))
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 32))
+    with pytest.raises(sparsecc.InputError, match="meta device"):
+        sparsecc.compile(model, torch.randn(4, 64))

@@ -303,3 +303,20 @@ def test_a_model_on_the_meta_device_is_refused():
         model = nn.Sequential(nn.Linear(64, 32))
     with pytest.raises(sparsecc.InputError, match="meta device"):
         sparsecc.compile(model, torch.randn(4, 64))
+
+
+def test_a_layer_used_twice_is_two_sites_but_its_bytes_count_once(gen):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.fc(x)))
+
+    model = Twice().eval()
+    with torch.no_grad():
+        model.fc.weight.copy_(n_m(64, 64, 2, 4, gen))
+    plan = sparsecc.plan(model, torch.randn(4, 64, generator=gen), formats=("2:4",))
+    assert [site.name for site in plan.sites] == ["fc.weight", "fc.weight#2"]
+    assert plan.bytes_before == 64 * 64 * 4

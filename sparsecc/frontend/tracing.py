@@ -168,6 +168,25 @@ def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced) -> 
             _trace_module(child, f"{path}.{name}" if path else name, calls, traced)
         return
     traced.parts.append(TracedPart(path, gm, module, arguments, constants))
+    _report_opaque_calls(gm, path, traced)
+
+
+def _report_opaque_calls(gm: fx.GraphModule, path: str, traced: Traced) -> None:
+    """List in ``untraced`` the modules a graph calls whole (fx keeps torch.nn's modules as
+    single calls) that hold 2-D weights sparsecc cannot see into, e.g. nn.MultiheadAttention:
+    their weights stay dense, and the plan says so. Linear layers (sites) and embeddings (not
+    linear) are left out."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if isinstance(module, (nn.Linear, nn.Embedding)) or is_patch_conv(module):
+            continue
+        weights = [name for name, p in module.named_parameters() if p.dim() == 2]
+        if weights:
+            where = f"{path}.{node.target}" if path else str(node.target)
+            traced.untraced[where] = (f"{type(module).__name__} is called as one torch module, which sparsecc "
+                                      f"does not look into: its weights {weights} stay dense")
 
 
 def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:

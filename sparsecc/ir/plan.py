@@ -72,13 +72,17 @@ class Plan:
                 return site
         raise KeyError(name)
 
+    def _by_weight(self) -> list[SitePlan]:
+        """One site per weight: a weight used at several sites (``name#2``, ...) counts once."""
+        return list({s.name.split("#")[0]: s for s in self.sites}.values())
+
     @property
     def bytes_before(self) -> int:
-        return sum(s.bytes_before for s in self.sites)
+        return sum(s.bytes_before for s in self._by_weight())
 
     @property
     def bytes_after(self) -> int:
-        return sum(s.bytes_after for s in self.sites)
+        return sum(s.bytes_after for s in self._by_weight())
 
     def choices(self) -> dict[str, str]:
         return {s.name: s.choice for s in self.sites}

@@ -6,6 +6,7 @@ compiler then finds formats that represent those weights exactly.
 """
 from __future__ import annotations
 
+import fnmatch
 import warnings
 from typing import Callable, Iterable, Iterator
 
@@ -82,7 +83,55 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
                 register_mask(module, mask.t() if is_conv1d(module) else mask)
     order = {name: index for index, (name, _) in enumerate(layers)}
     report.layers.sort(key=lambda layer: order[layer.name])
+    report.tied = _tied(model, [(name, module) for name, module, _ in prunable])
+    if report.tied:
+        warnings.warn("prune also pruned weights tied to a pruned layer (the same tensor): "
+                      + "; ".join(f"{layer} -> {', '.join(others)}" for layer, others in report.tied.items())
+                      + " (exclude= the layer to keep them dense)", stacklevel=2)
+    tied_names = {name for others in report.tied.values() for name in others}
+    report.not_pruned = {name: why for name, why in _not_pruned(model, types, include, exclude).items()
+                         if name not in tied_names}
     return report
+
+
+def _tied(model: nn.Module, pruned: list[tuple[str, nn.Module]]) -> dict[str, list[str]]:
+    """Per pruned layer, the other parameter names of its weight tensor (e.g. an output layer
+    tied to the embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    found = {}
+    for name, module in pruned:
+        own = f"{name}.weight" if name else "weight"
+        others = [n for n in names.get(id(module.weight), []) if n != own]
+        if others:
+            found[name or "<model>"] = others
+    return found
+
+
+def _not_pruned(model: nn.Module, types: tuple[type, ...], include, exclude) -> dict[str, str]:
+    """2-D weights of modules prune does not take (not of ``types``), which include/exclude did
+    not leave out: prune says so rather than leave them dense without a word."""
+    found = {}
+    globs_in, globs_out = _as_globs(include), _as_globs(exclude)
+    for module_name, module in model.named_modules():
+        if isinstance(module, types) or is_conv1d(module):
+            continue
+        if (globs_in and not any(fnmatch.fnmatch(module_name, g) for g in globs_in)) or \
+                any(fnmatch.fnmatch(module_name, g) for g in globs_out):
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.dim() == 2:
+                full = f"{module_name}.{name}" if module_name else name
+                found[full] = (f"{type(module).__name__}.{name} is not a layer prune takes "
+                               f"({', '.join(t.__name__ for t in types)}; see types=)")
+    return found
+
+
+def _as_globs(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _masks(pattern: Pattern, prunable, score_of, scope: str) -> Iterator[torch.Tensor]:

@@ -31,6 +31,10 @@ class PruneReport:
     pattern: str
     scope: str
     layers: list[LayerReport] = field(default_factory=list)
+    #: 2-D weights prune did not touch though no include/exclude left them out, and why
+    not_pruned: dict[str, str] = field(default_factory=dict)
+    #: weights pruned along with a pruned layer because they are the same tensor (tied), by layer
+    tied: dict[str, list[str]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> LayerReport:
         for layer in self.layers:
@@ -70,12 +74,16 @@ class PruneReport:
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
                  for row in [header, *rows]]
+        lines += [f"{layer}: pruned with it, the same tensor (tied): {', '.join(others)}"
+                  for layer, others in self.tied.items()]
+        lines += [f"not pruned: {name}: {why}" for name, why in self.not_pruned.items()]
         return "\n".join(line.rstrip() for line in lines)
 
     def to_dict(self) -> dict:
         """Plain data (JSON-serialisable)."""
         return {"pattern": self.pattern, "scope": self.scope, "density": self.density,
-                "layers": [{**asdict(layer), "shape": list(layer.shape)} for layer in self.layers]}
+                "layers": [{**asdict(layer), "shape": list(layer.shape)} for layer in self.layers],
+                "not_pruned": dict(self.not_pruned), "tied": dict(self.tied)}
 
     def __str__(self) -> str:
         return self.table()

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import sparsecc
 from sparsecc.frontend import tracing
 from sparsecc.errors import InputError
 
@@ -80,3 +81,20 @@ def test_assemble_shares_untouched_parts_and_leaves_the_original_alone():
     assert {k: v for k, v in model.state_dict().items()}.keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     model(ids)   # the original still runs
+
+
+def test_a_module_called_whole_with_weights_is_reported():
+    """fx keeps torch.nn's modules as single calls: a MultiheadAttention called whole would hide
+    its weights; the plan's untraced list names it and its weights instead."""
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.fc = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(self.attention(x, x, x)[0])
+
+    plan = sparsecc.plan(Attention().eval(), torch.randn(2, 10, 64))
+    assert [site.label for site in plan.sites] == ["fc"]
+    assert set(plan.untraced) == {"attention"}
+    assert "in_proj_weight" in plan.untraced["attention"] and "out_proj.weight" in plan.untraced["attention"]

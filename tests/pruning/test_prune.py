@@ -298,3 +298,30 @@ def test_no_warning_when_nothing_is_skipped():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prune(mlp(), "2:4")
+
+
+def test_prune_says_what_it_left_dense_and_what_it_pruned_through_a_tie():
+    """Weights of modules prune does not take (MultiheadAttention's in_proj_weight) are listed
+    with the reason; a weight tied to a pruned layer (an embedding shared with the output layer)
+    is named in the report and in a warning, not left to be discovered."""
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    report = prune(layer, "2:4")
+    assert set(report.not_pruned) == {"self_attn.in_proj_weight"}
+    assert "MultiheadAttention.in_proj_weight" in report.not_pruned["self_attn.in_proj_weight"]
+    assert "not pruned: self_attn.in_proj_weight" in report.table()
+    assert prune(nn.TransformerEncoderLayer(64, 4, 128), "2:4", exclude="self_attn*").not_pruned == {}
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(100, 64), nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    model = Tied()
+    with pytest.warns(UserWarning, match="head -> emb.weight"):
+        report = prune(model, "2:4")
+    assert report.tied == {"head": ["emb.weight"]} and "emb.weight" not in report.not_pruned
+    assert float((model.emb.weight == 0).float().mean()) == 0.5

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 from torch.utils import _pytree as pytree
 
 from .config import settings
@@ -29,6 +30,8 @@ from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
 
+#: planning shows a progress bar from this many sites
+PROGRESS_MIN_SITES = 8
 #: relative error (norm of the difference over norm of the reference) allowed when a
 #: compiled model is checked against the eager one, by output dtype
 VERIFY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -173,8 +176,11 @@ def analyze_sites(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
 
 
 def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=None, m_range=None) -> Plan:
-    """The cost model's decision for every site (over ``m_range`` if given)."""
-    return Plan([_plan_site(s, stats[s.name], cost_model, allowed, m_range) for s in sites], device=str(device),
+    """The cost model's decision for every site (over ``m_range`` if given), with a progress bar
+    where there are many."""
+    progress = tqdm(sites, desc="sparsecc: planning", unit="site", disable=len(sites) < PROGRESS_MIN_SITES,
+                    leave=False)
+    return Plan([_plan_site(s, stats[s.name], cost_model, allowed, m_range) for s in progress], device=str(device),
                 untraced=untraced or {})
 
 

@@ -25,7 +25,9 @@ fastest is kept -- a sparse one only if it beat dense by :data:`MEASURED_MARGIN`
 few candidates costs milliseconds per site, and settles what a few fitted numbers cannot:
 two block shapes of one weight predicted within 20% of each other, or a CPU library path
 (MKL's gemv against its gemm, torch's sparse kernels) that the model only approximates.
-``CostModel(measure=False)`` chooses from the predictions alone.
+Sites whose candidates' times cannot depend on the weight's values share one timing; past
+:data:`TIMING_BUDGET_S` of timing in a plan, predictions decide the remaining sites (their
+reasons say so). ``CostModel(measure=False)`` chooses from the predictions alone.
 """
 from __future__ import annotations
 
@@ -76,6 +78,10 @@ DENSE_MARGIN = 0.9
 #: the time, and the model cannot tell two such kernels apart (GPU: kernels of a few us)
 MIN_GAIN_US = {"cuda": 1.5, "cpu": 10.0}
 OBJECTIVES = ("latency", "memory")
+#: the seconds a cost model spends timing candidates over all the sites of a plan, at most: the
+#: sites timed first (in graph order) are decided by timing, the rest by the predictions (sites
+#: alike share one timing, so a model of repeated layers rarely reaches it)
+TIMING_BUDGET_S = {"cuda": 300.0, "cpu": 40.0}
 #: on the CPU, the reference product of :meth:`CostModel.cpu_speed` is timed again after this many seconds
 REFERENCE_EVERY_S = 10.0
 #: a CPU timing during which the reference product ran this much slower than its fastest is taken again ...
@@ -224,6 +230,9 @@ class CostModel:
         self.calibration = calib.for_device(self.device) if calibration == "auto" else calibration
         self._reference: tuple[float, float] | None = None     # (fastest reference_us seen, when last timed)
         self._timings: dict[tuple, dict] = {}                   # site_timer's, shared by sites alike
+        #: seconds of timing this model may spend over a plan's sites; past it, predictions decide
+        self.timing_budget_s = TIMING_BUDGET_S["cuda" if self.device.type == "cuda" else "cpu"]
+        self.timing_spent_s = 0.0
         self.measure = True if measure is None else bool(measure)
         if kernels_unavailable == "unset":
             kernels_unavailable = kernels_unavailable_on(self.device)
@@ -386,13 +395,19 @@ class CostModel:
                                   + self._where_it_runs(stats, spec, planned_m), predictions, buckets)
         shortlist = sorted((s for s in pool if worst_ratio[s] <= SHORTLIST_FACTOR), key=worst_ratio.get)
         shortlist = list(dict.fromkeys([*shortlist[:SHORTLIST_MAX], DENSE]))
-        if self.measure and measure_sites is not None and self.objective == "latency" and len(shortlist) > 1:
-            return self._choose_by_timing(stats, shortlist, times, predictions, buckets,
-                                          self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m)),
-                                          at_m, where, planned_m)
+        timing = self.measure and measure_sites is not None and self.objective == "latency" and len(shortlist) > 1
+        over_budget = timing and self.timing_spent_s >= self.timing_budget_s
+        if timing and not over_budget:
+            start = time.perf_counter()
+            measured = self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m))
+            self.timing_spent_s += time.perf_counter() - start
+            return self._choose_by_timing(stats, shortlist, times, predictions, buckets, measured, at_m, where,
+                                          planned_m)
         spec, why = self._choose(pool, times, worst_ratio, predictions)
-        return Decision(spec, f"{why}{self._where_it_runs(stats, spec, planned_m)} at {where} ({self.source})",
-                        predictions, buckets)
+        budget = (f"; not timed: this plan's timing budget of {self.timing_budget_s:g} s is spent"
+                  if over_budget else "")
+        return Decision(spec, f"{why}{self._where_it_runs(stats, spec, planned_m)} at {where} ({self.source})"
+                              f"{budget}", predictions, buckets)
 
     def _choose_by_timing(self, stats, shortlist, times, predictions, buckets, measured, at_m, where,
                           planned_m) -> Decision:
@@ -481,10 +496,10 @@ class CostModel:
 
 
 def _value_free_key(weight: torch.Tensor, specs, on_kernel: dict, m: int, planned_m: int | None) -> tuple | None:
-    """What the times of ``specs`` on ``weight`` depend on, when not on its values: dense, and
-    2:4 on sparsecc's kernels, cost the same for every weight of one shape and dtype (torch's
-    sparse paths, BSR and CSR depend on where the non-zeros are). None otherwise."""
-    if not all(s.kind == "dense" or (s == NM_2_4 and on_kernel.get(s)) for s in specs):
+    """What the times of ``specs`` on ``weight`` depend on, when not on its values: dense, 2:4 on
+    sparsecc's kernels and n:m on torch (unpacked, then a dense product) cost the same for every
+    weight of one shape and dtype (BSR and CSR depend on where the non-zeros are). None otherwise."""
+    if not all(s.kind in ("dense", "nm") for s in specs):
         return None
     return (tuple(weight.shape), weight.dtype, str(weight.device), m, planned_m,
             tuple((str(s), bool(on_kernel.get(s))) for s in specs))

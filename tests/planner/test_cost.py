@@ -327,7 +327,7 @@ def test_small_batches_run_24_on_the_small_batch_kernels_of_their_size(gen, monk
 
 
 def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
-    """Dense and 2:4 on sparsecc's kernels cost the same for every weight of a shape: the
+    """Dense, 2:4 on sparsecc's kernels and n:m on torch cost the same for every weight of a shape: the
     second site of a shape takes the first one's times (one decision for a model's layers);
     a list with a format whose cost depends on the non-zeros (CSR) is timed for each site."""
     import sparsecc.planner.cost as cost
@@ -351,7 +351,28 @@ def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     for w in (first, second):
         model.site_timer(w, analyze(w))(with_csr, 16, 16)
     assert len(calls) == 5
-    unpacked = CostModel("cpu", kernels_unavailable="no GPU")       # 2:4 on torch's path: timed per site
-    for w in (first, second):
+    unpacked = CostModel("cpu", kernels_unavailable="no GPU")       # 2:4 on torch's path (unpack + dense):
+    for w in (first, second):                                       # value-free too, timed once
         unpacked.site_timer(w, analyze(w))(two_four, 16, 16)
-    assert len(calls) == 7
+    assert len(calls) == 6
+
+
+def test_timing_stops_at_the_budget_and_predictions_decide_the_rest(gen, monkeypatch):
+    """Once a plan's timing budget is spent, the next sites are chosen from the predictions,
+    and their reasons say why they were not timed."""
+    import sparsecc.planner.cost as cost
+    monkeypatch.setattr(cost, "SHORTLIST_FACTOR", 1e9)            # every candidate is timed
+    stats = analyze(n_m(256, 512, 2, 4, gen))
+    model = CostModel("cpu")
+    calls = []
+
+    def measure(specs, m, planned_m):
+        calls.append(m)
+        model.timing_spent_s += 10.0            # each timing "costs" 10 s
+        return {spec: 1.0 if spec.kind == "dense" else 2.0 for spec in specs}
+
+    model.timing_budget_s = 25.0
+    reasons = [model.decide(stats, 64, None, measure_sites=measure).reason for _ in range(4)]
+    assert len(calls) == 3
+    assert all("timing budget" not in reason for reason in reasons[:3])
+    assert "timing budget of 25 s is spent" in reasons[3]

@@ -108,3 +108,39 @@ def test_arguments_argparse_refuses(argv, says, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err and argv[-3 if argv[0] == "generate" else -1] in err
+
+
+def test_a_log_level_that_is_none_is_refused_in_one_line():
+    result = run("--log", "verbose", "plan", "mlp")
+    assert result.returncode == 2 and "argument --log: invalid choice: 'VERBOSE'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_function_in_a_model_file_is_named(tmp_path, capsys):
+    script = tmp_path / "model.py"
+    script.write_text("def build():\n    pass\n")
+    assert cli.main(["plan", f"{script}:missing", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("sparsecc: error: ") and "defines no function 'missing'" in error
+    assert len(error.splitlines()) == 1
+
+
+def test_a_builtin_model_without_transformers_names_the_extra(monkeypatch, capsys):
+    """Hide transformers: the Hugging Face models then ask for `pip install sparsecc[models]`."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert cli.main(["plan", "gpt2", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("sparsecc: error: ") and "pip install 'sparsecc[models]'" in error
+
+
+def test_calibrate_shows_an_unconstrained_fit_as_not_applicable(monkeypatch, capsys):
+    """A fit the probes did not constrain (a rate or bandwidth no machine has) prints n/a, not 1e48."""
+    from sparsecc.planner import fit as fitting
+
+    found = fitting.Calibration(key="k", device="cpu-test", fits={
+        "dense/float32": fitting.Fit(10.0, 5e10, 2e10, 2.0, points=8),
+        "csr/float32": fitting.Fit(20.0, 3e10, 1.7e57, 1.5, points=8)})
+    monkeypatch.setattr(cli.calibration, "calibrate", lambda device, progress=True: found)
+    assert cli.main(["calibrate", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "n/a GB/s" in out and "e+48" not in out and "20.0 GB/s" in out

@@ -65,7 +65,7 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
             pattern.check_shape(tuple(matrix.shape))
             prunable.append((name, module, matrix))
         except PatternError as error:
-            report.layers.append(_layer_report(name, pattern, matrix, matrix, skipped=str(error)))
+            report.layers.append(_layer_report(name, pattern, matrix, skipped=str(error)))
     if not prunable:
         raise PatternError(f"{pattern} fits none of the {len(layers)} selected layers: "
                            + "; ".join(f"{layer.name}: {layer.skipped}" for layer in report.layers))
@@ -76,9 +76,9 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
 
     with torch.no_grad():
         for (name, module, matrix), mask in zip(prunable, _masks(pattern, prunable, score_of, scope)):
-            before = matrix.clone() if matrix.numel() else matrix
+            before = _nonzeros_and_l1(matrix)
             matrix.masked_fill_(~mask, 0)
-            report.layers.append(_layer_report(name, pattern, before, matrix))
+            report.layers.append(_layer_report(name, pattern, matrix, before=before))
             if keep_masks:
                 register_mask(module, mask.t() if is_conv1d(module) else mask)
     order = {name: index for index, (name, _) in enumerate(layers)}
@@ -180,13 +180,23 @@ def _checked_matrix(name: str, module: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _layer_report(name: str, pattern: Pattern, before: torch.Tensor, after: torch.Tensor, *,
+def _nonzeros_and_l1(matrix: torch.Tensor) -> tuple[int, float]:
+    """The non-zeros of ``matrix`` and its L1 norm (fp32 sums: a report's four decimals, at a
+    fraction of the time of fp64 ones on a large weight)."""
+    if not matrix.numel():
+        return 0, 0.0
+    return int(torch.count_nonzero(matrix)), float(torch.linalg.vector_norm(matrix, 1, dtype=torch.float32))
+
+
+@torch.no_grad()
+def _layer_report(name: str, pattern: Pattern, after: torch.Tensor, *, before: tuple[int, float] | None = None,
                   skipped: str | None = None) -> LayerReport:
-    numel = before.numel()
-    l1_before = float(torch.linalg.vector_norm(before, 1, dtype=torch.float64)) if numel else 0.0
-    l1_after = float(torch.linalg.vector_norm(after, 1, dtype=torch.float64)) if numel else 0.0
+    """One layer's report: ``after`` is its weight now, ``before`` the non-zeros and L1 norm it
+    had (None: unchanged)."""
+    numel = after.numel()
+    nonzeros, l1_after = _nonzeros_and_l1(after)
+    nonzeros_before, l1_before = before if before is not None else (nonzeros, l1_after)
     return LayerReport(
         name=name, pattern=str(pattern), shape=tuple(after.shape), numel=numel,
-        density_before=int(torch.count_nonzero(before)) / numel if numel else 0.0,
-        density=int(torch.count_nonzero(after)) / numel if numel else 0.0,
+        density_before=nonzeros_before / numel if numel else 0.0, density=nonzeros / numel if numel else 0.0,
         magnitude_kept=l1_after / l1_before if l1_before else 1.0, skipped=skipped)

@@ -10,12 +10,11 @@ adds, for a few hundred rows of x times a short weight (too few output tiles to 
 from __future__ import annotations
 
 from ..codegen.spec import Family, KernelSpec, Schedule, Scheduler
-from ..ir.weights import random_weight
-from ..ir.workload import dtype_name, element_size
+from ..ir.workload import dtype_name
 from ..runtime.kernel_op import ensure
 from . import tune
-from .base import Buckets, KernelFamily, Launch, check_cuda_weight, shape_supported
-from .dense_small import DenseSmall, DenseWeight
+from .base import Buckets, Launch, check_cuda_weight
+from .dense_small import DenseFamily, DenseSmall
 
 #: every way of running the GEMM that tuning times
 CANDIDATES = [
@@ -52,18 +51,13 @@ SMALL_DEFAULT_MAX_M = 16
 SMALL = DenseSmall()
 
 
-class DenseGemm(KernelFamily):
+class DenseGemm(DenseFamily):
     """Dense weights on the CUTLASS GEMM, small buckets on the small-batch kernel where faster."""
 
     name = "dense-gemm"
-    kind = "dense"
     templates = (Family.SM90_DENSE,)
     unit = "sparsecc's dense CUTLASS kernel"
-    tunable = True
     buckets = Buckets((1, 16, 128, 2048), 8192)
-
-    def refuses(self, spec, shape, dtype):
-        return f"it runs dense weights, not {spec}" if spec.kind != "dense" else shape_supported(*shape, dtype)
 
     def candidates(self, dtype, shape, m):
         name = dtype_name(dtype)
@@ -71,12 +65,6 @@ class DenseGemm(KernelFamily):
 
     def default_launch(self, dtype, bound):
         return Launch(KernelSpec(Family.SM90_DENSE, dtype, tile=DEFAULTS[bound]))
-
-    def layout(self, weight):
-        return DenseWeight.of(weight)
-
-    def tuning_weight(self, n, k, dtype, device, generator):
-        return random_weight(n, k, "dense", 1.0, dtype, device, generator)
 
     def dispatch(self, dtype, shape, tune_range=None, *, progress=False) -> list[tuple[int, Launch]]:
         """Per bucket the faster of the GEMM and, up to :data:`~sparsecc.kernels.dense_small.MAX_M`
@@ -111,7 +99,3 @@ class DenseGemm(KernelFamily):
 
     def kernel_specs(self, dtype, shape, spec, density, m):
         return [launch.spec for _, launch in self.dispatch(dtype, shape)]
-
-    def work(self, w, sms):
-        e = element_size(w.dtype)
-        return 2.0 * w.m * w.n * w.k, w.n * w.k * e + (w.m * w.k + w.m * w.n) * e

@@ -41,27 +41,15 @@ class DenseWeight(KernelWeight):
         return self.values
 
 
-class DenseSmall(KernelFamily):
-    """Dense weights at up to :data:`MAX_M` rows on the small-batch tensor-core kernel."""
+class DenseFamily(KernelFamily):
+    """What the dense families share: the weight as it is, tuned on a random dense weight, every
+    product computed (flops and bytes of a dense GEMM)."""
 
-    name = "dense-small"
     kind = "dense"
-    templates = (Family.GEMV_MMA_SM90_DENSE,)
-    unit = "sparsecc's dense small-batch kernel"
     tunable = True
-    max_m = MAX_M
-    buckets = Buckets((1, 16, 128), 128)
 
     def refuses(self, spec, shape, dtype):
         return f"it runs dense weights, not {spec}" if spec.kind != "dense" else shape_supported(*shape, dtype)
-
-    def candidates(self, dtype, shape, m):
-        name = dtype_name(dtype)
-        return [Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, name, tile=tile), splits=splits)
-                for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in CLUSTER_SPLITS]
-
-    def default_launch(self, dtype, bound):
-        return Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, dtype), splits=0)
 
     def layout(self, weight):
         return DenseWeight.of(weight)
@@ -72,4 +60,22 @@ class DenseSmall(KernelFamily):
     def work(self, w, sms):
         e = element_size(w.dtype)
         return 2.0 * w.m * w.n * w.k, w.n * w.k * e + (w.m * w.k + w.m * w.n) * e
+
+
+class DenseSmall(DenseFamily):
+    """Dense weights at up to :data:`MAX_M` rows on the small-batch tensor-core kernel."""
+
+    name = "dense-small"
+    templates = (Family.GEMV_MMA_SM90_DENSE,)
+    unit = "sparsecc's dense small-batch kernel"
+    max_m = MAX_M
+    buckets = Buckets((1, 16, 128), 128)
+
+    def candidates(self, dtype, shape, m):
+        name = dtype_name(dtype)
+        return [Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, name, tile=tile), splits=splits)
+                for tile in sorted(TILES[Family.GEMV_MMA_SM90_DENSE]) for splits in CLUSTER_SPLITS]
+
+    def default_launch(self, dtype, bound):
+        return Launch(KernelSpec(Family.GEMV_MMA_SM90_DENSE, dtype), splits=0)
 

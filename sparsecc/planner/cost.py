@@ -383,6 +383,10 @@ class CostModel:
                    for rep in [representative_m(lo, hi)]]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
         pool = [s for s in candidates if not (forced and s.kind == "dense")]
+        if not forced and self.objective == "latency":
+            # n:m on torch unpacks to dense and then runs the dense product: never faster than
+            # dense, so only timing noise could pick it for speed (it stays a memory candidate)
+            pool = [s for s in pool if not (s.kind == "nm" and self.workload(stats, s, m_used).impl == "nm-unpack")]
         if not pool:
             names = ", ".join(str(s) for s in allowed)
             return Decision(DENSE, f"formats=({names}): the weight fits none of them exactly; stays dense",

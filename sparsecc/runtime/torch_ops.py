@@ -33,6 +33,7 @@ What every op accepts (checked by :func:`_prepare`, the same for all four):
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -43,6 +44,9 @@ from ..errors import InputError
 from ..ir.epilogue import Activation, apply_activation
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")
+# the BSR and CSR tensors below are this module's own, short-lived: torch's beta notice about them
+# would speak of something the user never made
+warnings.filterwarnings("ignore", message="Sparse (CSR|BSR) tensor support is in beta", category=UserWarning)
 
 
 def _define(schema: str, fake):

@@ -362,7 +362,7 @@ def test_timing_stops_at_the_budget_and_predictions_decide_the_rest(gen, monkeyp
     and their reasons say why they were not timed."""
     import sparsecc.planner.cost as cost
     monkeypatch.setattr(cost, "SHORTLIST_FACTOR", 1e9)            # every candidate is timed
-    stats = analyze(n_m(256, 512, 2, 4, gen))
+    stats = analyze(unstructured(256, 512, 0.1, gen))
     model = CostModel("cpu")
     calls = []
 
@@ -376,3 +376,18 @@ def test_timing_stops_at_the_budget_and_predictions_decide_the_rest(gen, monkeyp
     assert len(calls) == 3
     assert all("timing budget" not in reason for reason in reasons[:3])
     assert "timing budget of 25 s is spent" in reasons[3]
+
+
+def test_nm_on_torch_is_no_speed_candidate_but_a_memory_one(gen):
+    """n:m without sparsecc's kernels unpacks to dense and runs the dense product: for latency it
+    is never chosen (even if a noisy timing said so); for memory it is."""
+    stats = analyze(n_m(256, 512, 2, 4, gen))
+
+    def noisy(specs, m, planned_m):              # a timing that favours 2:4 by noise
+        return {spec: 1.0 if spec.kind == "nm" else 2.0 for spec in specs}
+
+    assert str(CostModel("cpu").decide(stats, 64, None, measure_sites=noisy).choice) == "dense"
+    memory = CostModel("cpu", objective="memory", max_slowdown=10.0).decide(stats, 64, None)
+    assert memory.choice.kind == "nm"
+    forced = CostModel("cpu").decide(stats, 64, [FormatSpec.parse("2:4")], measure_sites=noisy)
+    assert str(forced.choice) == "2:4"

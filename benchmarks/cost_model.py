@@ -41,6 +41,7 @@ from sparsecc.ir.weights import random_weight  # noqa: E402
 from sparsecc.planner import fit as calib  # noqa: E402
 from sparsecc.planner.calibrate import calibrate  # noqa: E402
 from sparsecc.planner.cost import CostModel, exact_candidates, site_runner  # noqa: E402
+from sparsecc.runtime.cache_files import device_name  # noqa: E402
 from sparsecc.runtime.timing import time_all_us  # noqa: E402
 
 PATTERNS = [("2:4", 0.5), ("block32", 0.5), ("block32", 0.25), ("block32", 0.1), ("block32", 0.05),
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     args.passes = args.passes or (3 if args.device == "cpu" else 1)
     result = common.environment("cost_model")
     if args.device == "cpu":
-        result["device"] = calib.machine_key(device)[1]
+        result["device"] = device_name(device)
     if args.calibration == "fresh":
         start = time.time()
         calibration = calibrate(device)

@@ -24,8 +24,6 @@ import importlib.resources
 import json
 import logging
 import math
-import os
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,12 +34,12 @@ import torch.nn.functional as F
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from .._version import __version__
 from ..codegen.spec import Family
 from ..config import settings
 from ..errors import KernelBuildError
 from ..ir.numerics import relative_error
 from ..ir.workload import dtype_name
+from ..runtime.cache_files import cache_file, machine_key, write_atomically
 from ..runtime.kernel_op import ensure
 from ..runtime.timing import packed_runner, time_us
 from .base import KernelFamily, Launch, finish_packing, kernels_unavailable
@@ -72,17 +70,6 @@ class Tuned:
 
 #: what this process tuned, oldest first
 LOG: list[Tuned] = []
-
-
-def machine_key(device: torch.device) -> str:
-    """What a measurement is valid for: the GPU, torch, CUDA and sparsecc versions."""
-    return (f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|cuda {torch.version.cuda}"
-            f"|sparsecc {__version__}")
-
-
-def local_path(key: str) -> Path:
-    """Where this machine's measurements are kept."""
-    return settings().cache_dir / "tuning" / (re.sub(r"[^A-Za-z0-9.]+", "_", key).strip("_") + ".json")
 
 
 class TuningTable:
@@ -143,10 +130,8 @@ class TuningTable:
                             merged = {**{_key(e): e for e in data["entries"]}, **self.here}
                     except (OSError, ValueError, KeyError, TypeError):
                         pass
-                staging = self.path.with_suffix(f".tmp{os.getpid()}")
-                staging.write_text(json.dumps({"version": TABLE_VERSION, "key": self.key,
-                                               "entries": sorted(merged.values(), key=_key)}, indent=1))
-                staging.replace(self.path)
+                write_atomically(self.path, json.dumps({"version": TABLE_VERSION, "key": self.key,
+                                                        "entries": sorted(merged.values(), key=_key)}, indent=1))
                 self.here = merged
         except OSError as error:
             log.warning("could not save the tuning table %s (%s): the shapes tuned now are tuned again "
@@ -174,7 +159,7 @@ def table() -> TuningTable:
     key = machine_key(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
     cache_dir = str(settings().cache_dir)
     if (key, cache_dir) not in _TABLES:
-        path = local_path(key) if torch.cuda.is_available() else None
+        path = cache_file("tuning", key) if torch.cuda.is_available() else None
         _TABLES[(key, cache_dir)] = TuningTable(shipped_entries(), path, key)
     return _TABLES[(key, cache_dir)]
 

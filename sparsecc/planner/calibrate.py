@@ -19,10 +19,11 @@ from ..ir.weights import random_weight
 from ..ir.workload import Workload
 from ..kernels.base import kernels_unavailable
 from ..kernels.registry import plan_kernels
+from ..runtime.cache_files import device_name, machine_key
 from ..runtime.kernel_op import ensure
 from ..runtime.timing import reference_us, time_us
 from .cost import CostModel, site_runner
-from .fit import Calibration, fit_measurements, machine_key, save
+from .fit import Calibration, fit_measurements, save
 from .work import DEFAULT_SMS
 
 log = logging.getLogger("sparsecc")
@@ -202,7 +203,7 @@ def prebuild_kernels(probes: list[Probe], device: torch.device, *, progress: boo
 def calibrate(device: torch.device | str = "cuda", *, progress: bool = True, save_result: bool = True) -> Calibration:
     """Measure this machine (:func:`calibration_workloads`), fit, cache and return the result."""
     device = torch.device(device)
-    key, name = machine_key(device)
+    key, name = machine_key(device), device_name(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
     reference = [] if device.type == "cpu" else None
     probes = calibration_workloads(device)

@@ -38,18 +38,14 @@ import importlib.resources
 import json
 import logging
 import math
-import os
-import platform
-import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .._version import __version__
-from ..config import settings
 from ..ir.workload import Workload
+from ..runtime.cache_files import cache_file, machine_key, write_atomically
 from .work import DEFAULT_SMS, known, steps, work
 
 log = logging.getLogger("sparsecc")
@@ -154,31 +150,13 @@ def dtype_class(dtype: str) -> str:
 
 # ------------------------------------------------------------------------ the machine key
 
-def machine_key(device: torch.device) -> tuple[str, str]:
-    """``(key, device name)``: what a calibration is valid for."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu-{platform.machine()}-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
-    key = f"{name}|torch {torch.__version__}|cuda {torch.version.cuda}|sparsecc {__version__}"
-    return key, name
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
-
-
 def cache_path(device: torch.device) -> Path:
-    key, _ = machine_key(device)
-    return settings().cache_dir / "calibration" / f"{_slug(key)}.json"
+    return cache_file("calibration", machine_key(device))
 
 
 def save(calibration: Calibration, device: torch.device) -> Path:
     path = cache_path(device)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    staging = path.with_suffix(f".tmp{os.getpid()}")
-    staging.write_text(calibration.to_json())
-    staging.replace(path)
+    write_atomically(path, calibration.to_json())
     return path
 
 

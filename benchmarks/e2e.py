@@ -7,6 +7,8 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
 - ``llama-1b-decode``: the same model, one token (batch 1, no KV cache: the linear layers see
   M=1 exactly as in decoding; attention over a cache is left out), 2:4;
 - ``llama-1b-decode-b16``: the same, 16 sequences decoding together (batched decode: M=16), 2:4;
+- ``gpt2``: GPT-2 small (its linear layers are ``Conv1D``, weights stored [in, out]), batch 8,
+  sequence 512, 2:4;
 - ``vit-b16``: batch 256, 90% block sparsity with 64x64 blocks. ViT never masks attention, but
   under ``torch.compile`` some ``transformers`` versions (5.17) still build an all-visible mask,
   and with a mask SDPA runs its fp32 math path (half of Inductor's time on an H100). The
@@ -15,12 +17,16 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
   and compiled, then runs the same fused attention kernel. BERT-large keeps the mask (and the
   fp32 math path, 8.5 of Inductor's 14.2 ms on an H100) for every impl alike.
 
-fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null).
-Rows carry ``model`` and ``impl`` and ``rel_err`` against the eager output. ``impl``:
-eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
-inductor-graphs (``torch.compile(model, mode="reduce-overhead")``) and sparsecc-graphs
+fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null):
+the implementations of a model are compiled first, then timed in interleaved rounds, each
+keeping its median, so that a drift of the host's speed during the run reaches them all
+alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
+(the first call) and ``sparse_sites`` (sites that run a sparse format, of ``sites``).
+``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
+inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
+(``torch.compile(model, backend="sparsecc", mode="reduce-overhead")``) and sparsecc-graphs
 (``torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")``), where host
-overhead is gone on both sides. Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this
+overhead is gone on all sides. Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this
 machine's tuned launches out (common.fixed_dispatch): sparsecc's sites run the shipped tuning
 table's launches, the same on every run, and compiling tunes nothing.
 
@@ -31,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 
 import torch
 
@@ -42,7 +50,7 @@ if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
 
 import sparsecc  # noqa: E402
-from sparsecc.backend import register  # noqa: E402
+from sparsecc.backend import COMPILED, register  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 CASES = {
@@ -51,7 +59,10 @@ CASES = {
     "llama-1b-decode": ("llama-1b", 1, 1, "2:4"),
     "llama-1b-decode-b16": ("llama-1b", 16, 1, "2:4"),
     "vit-b16": ("vit-b16", 256, 0, "block64x64@0.1"),
+    "gpt2": ("gpt2", 8, 512, "2:4"),
 }
+#: interleaved timing rounds per model (see the docstring)
+ROUNDS = 5
 
 
 #: the attention implementation :func:`unmasked_attention` registers
@@ -104,35 +115,53 @@ def main(argv=None) -> dict:
     for case in args.models:
         _, batch, seq, pattern = CASES[case]
         model, inputs, report = pruned_model(case)
+        torch._dynamo.reset()                           # each model starts from scratch
+        COMPILED.clear()
         with torch.no_grad():
             reference = model(inputs)[0]
             impls = {"eager": lambda: model, "inductor": lambda: torch.compile(model),
                      "sparsecc": lambda: torch.compile(model, backend="sparsecc"),
                      "inductor-graphs": lambda: torch.compile(model, mode="reduce-overhead"),
+                     "sparsecc-backend-graphs": lambda: torch.compile(model, backend="sparsecc", mode="reduce-overhead"),
                      "sparsecc-graphs": lambda: torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")}
+            compiled, rows = {}, {}
             for impl, make in impls.items():
-                torch._dynamo.reset()                   # each compiled variant starts from scratch
+                before = len(COMPILED)
+                start = time.perf_counter()
                 fn = make()
                 fn(inputs)                              # CUDA graphs record on a later call
+                compile_s = time.perf_counter() - start
                 out = fn(inputs)[0].clone()
-                row = {"model": case, "impl": impl, "format": "dense" if impl != "sparsecc" else pattern,
-                       "M": batch * max(seq, 1), "N": None, "K": None, "dtype": "float16", "epilogue": None,
-                       "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
-                       "us": None, "us_eager": time_eager_us(lambda: fn(inputs), warmup_ms=50, rep_ms=300),
-                       "rel_err": relative_error(out, reference)}
+                plans = [g.plan for g in COMPILED[before:]] or [getattr(fn, "sparsecc_plan", None)]
+                choices = [c for plan in plans if plan is not None for c in plan.choices().values()]
+                compiled[impl] = fn
+                rows[impl] = {"model": case, "impl": impl, "format": pattern if choices else "dense",
+                              "M": batch * max(seq, 1), "N": None, "K": None, "dtype": "float16", "epilogue": None,
+                              "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
+                              "us": None, "us_eager": None, "rel_err": relative_error(out, reference),
+                              "compile_s": round(compile_s, 1), "sites": len(choices),
+                              "sparse_sites": sum(c != "dense" for c in choices)}
+            times = {impl: [] for impl in compiled}
+            for _ in range(ROUNDS):
+                for impl, fn in compiled.items():
+                    times[impl].append(time_eager_us(lambda: fn(inputs), warmup_ms=20, rep_ms=100))
+            for impl, row in rows.items():
+                row["us_eager"] = statistics.median(times[impl])
                 result["rows"].append(row)
-                print(f"{case:18s} {impl:9s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}", flush=True)
+                print(f"{case:20s} {impl:24s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}  "
+                      f"sparse sites {row['sparse_sites']}/{row['sites']}  compile {row['compile_s']} s", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done
             plot(result, path.with_suffix(".png"))
-        model = impls = None                # free the GPU memory before the next model
+        model = impls = compiled = None     # free the GPU memory before the next model
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
     print("wrote", path)
     for case in dict.fromkeys(r["model"] for r in result["rows"]):
         times = {r["impl"]: r["us_eager"] for r in result["rows"] if r["model"] == case}
-        for suffix in ("", "-graphs"):
-            if "inductor" + suffix in times and "sparsecc" + suffix in times:
-                print(f"{case:18s} sparsecc{suffix} speedup over inductor{suffix}: "
-                      f"{times['inductor' + suffix] / times['sparsecc' + suffix]:.2f}x")
+        for ours, theirs in (("sparsecc", "inductor"), ("sparsecc-backend-graphs", "inductor-graphs"),
+                             ("sparsecc-graphs", "inductor-graphs"), ("sparsecc-backend-graphs", "sparsecc-graphs")):
+            if ours in times and theirs in times:
+                print(f"{case:20s} {ours} over {theirs}: {times[theirs] / times[ours]:.2f}x")
     return result
 
 

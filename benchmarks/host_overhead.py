@@ -6,7 +6,10 @@ built), the raw kernel call underneath (ctypes, output preallocated), and the op
 a captured CUDA graph. For scale: torch's own cost of calling an op from Python
 (``torch.ops.aten.relu.default``, one argument), and both linears called from C++ (a
 TorchScript loop of 100 calls: the dispatcher, the op and the launch, without Python).
-Extra key: ``us_host``. Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this
+Then the same at M=2048, N=K=2048, where the GPU work is not negligible and the 2:4 op runs the
+CUTLASS GEMM: the host time to issue a call (:func:`sparsecc.runtime.timing.host_us`: calls
+back to back, nothing waits), what a prefill run op by op pays per site (``cublas-issue``,
+``sparsecc-issue``). Extra key: ``us_host``. Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this
 machine's tuned launches out (common.fixed_dispatch): the 2:4 op runs the shipped tuning
 table's launch, the same on every run.
 
@@ -32,6 +35,7 @@ from sparsecc.ir.formats import NM_2_4  # noqa: E402
 from sparsecc.kernels.sparse24_small import GEMM  # noqa: E402
 from sparsecc.runtime import kernel_op  # noqa: E402
 from sparsecc.runtime.kernel_op import cuda_implementation, kernel_for, linear_kernel  # noqa: E402
+from sparsecc.runtime.timing import host_us  # noqa: E402
 
 
 def per_call_us(fn, calls=3000, inner=1) -> float:
@@ -110,15 +114,25 @@ def main(argv=None) -> dict:
              "sparsecc-from-c++": (lambda: _sparsecc_from_cpp(x, packed.values, packed.metadata, n, k, bias,
                                                               packed.kernels, from_cpp), from_cpp),
              "sparsecc-graph-replay": (graph.replay, 10)}
-    for impl, (fn, inner) in impls.items():
-        us = per_call_us(fn, calls=max(300, 3000 // inner), inner=inner)
-        result["rows"].append({"impl": impl, "format": "2:4" if impl.startswith("sparsecc") else "dense", "M": 1, "N": n, "K": k,
-                               "dtype": "float16", "epilogue": "bias+relu", "density": 0.5, "block": None,
-                               "us": None, "us_eager": None, "rel_err": None, "us_host": round(us, 2)})
-        print(f"{impl:24s} {us:7.2f} us per call")
+    measured = {impl: (1, n, per_call_us(fn, calls=max(300, 3000 // inner), inner=inner))
+                for impl, (fn, inner) in impls.items()}
+    big_m, big = 2048, 2048
+    w = torch.randn(big, big // 4, 4)
+    w = (w * torch.zeros_like(w).scatter_(-1, w.abs().topk(2, -1).indices, 1)).reshape(big, big).half().cuda()
+    bias = torch.randn(big, dtype=torch.float16, device="cuda")
+    x = torch.randn(big_m, big, dtype=torch.float16, device="cuda")
+    packed = GEMM.pack(w, NM_2_4, big_m)
+    measured["cublas-issue"] = (big_m, big, host_us(lambda: torch.relu(F.linear(x, w, bias))))
+    measured["sparsecc-issue"] = (big_m, big, host_us(lambda: linear_kernel(
+        x, packed.values, packed.metadata, big, big, bias, "relu", False, False, packed.kernels)))
+    for impl, (m, size, us) in measured.items():
+        result["rows"].append({"impl": impl, "format": "2:4" if impl.startswith("sparsecc") else "dense", "M": m,
+                               "N": size, "K": size, "dtype": "float16", "epilogue": "bias+relu", "density": 0.5,
+                               "block": None, "us": None, "us_eager": None, "rel_err": None, "us_host": round(us, 2)})
+        print(f"{impl:24s} M={m:5d} {us:7.2f} us per call")
     path = write(result)
     bar_chart(result, path.with_suffix(".png"), "us_host", xlabel="host us per call (lower is faster)",
-              title="linear + bias + ReLU, M=1, 256x256, fp16")
+              title="linear + bias + ReLU, fp16: M=1, 256x256 (*-issue: M=2048, 2048x2048)")
     print("wrote", path)
     return result
 

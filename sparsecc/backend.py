@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .compiler import analyze_sites, pack_sites, plan_sites
+from .errors import InputError
 from .ir.formats import FormatSpec
 from .ir.plan import Plan
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
@@ -47,21 +48,25 @@ class _Watched:
 @dataclass
 class SparseGraph:
     """A Dynamo graph with its sparse sites rewritten; rebuilt when a packed weight's source
-    parameter changes."""
+    parameter changes. ``config_patches``: Inductor's options for it (its mode's and the user's)."""
 
     original: fx.GraphModule
     formats: list[FormatSpec] | None
     inductor: bool
-    cudagraphs: bool
+    config_patches: dict
     cost_model: CostModel | None
-    cpp_wrapper: bool = False
     plan: Plan | None = None
     rebuilds: int = 0
     _fn: object = None
     _watched: list[_Watched] = field(default_factory=list)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether Inductor replays this graph from CUDA graphs (``mode="reduce-overhead"``)."""
+        return self.inductor and bool(self.config_patches.get("triton.cudagraphs"))
+
     def build(self, inputs: list) -> None:
-        gm = fx.GraphModule(self.original, copy.deepcopy(self.original.graph))
+        gm = _copy_of_dynamo_graph(self.original)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         constants = {node.target: (node.target, value) for node, value in zip(placeholders, inputs)
                      if isinstance(value, nn.Parameter)}
@@ -71,18 +76,18 @@ class SparseGraph:
         sites = find_linear.run(gm, placeholders=constants).sites
         fuse_epilogue.run(gm, placeholders=constants)
         device = next((v.device for v in inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        cost_model = self.cost_model or CostModel(device)
+        cost_model = self.cost_model or CostModel(device, op_by_op=not self.cuda_graphs)
         stats = analyze_sites(sites, self.formats)
         self.plan = plan_sites(sites, stats, cost_model, self.formats, device)
         decisions = pack_sites(sites, stats, self.plan, cost_model)
         splice.run(gm, decisions)
+        _name_sources(gm, self.original)
         self._watched = [_Watched(index_of[s.weight_name], id(inputs[index_of[s.weight_name]]),
                                   inputs[index_of[s.weight_name]]._version, inputs[index_of[s.weight_name]].data_ptr())
                          for s in sites if decisions.get(s.name) is not None and s.weight_name in index_of]
         if self.inductor:
             from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
-            patches = {"triton.cudagraphs": self.cudagraphs, "cpp_wrapper": self.cpp_wrapper}
-            self._fn = compile_fx(gm, list(inputs), config_patches={k: v for k, v in patches.items() if v})
+            self._fn = compile_fx(gm, list(inputs), config_patches=dict(self.config_patches))
         else:
             self._fn = gm.forward
 
@@ -95,6 +100,34 @@ class SparseGraph:
                 self.build(list(args))
                 break
         return self._fn(*args)
+
+
+def _copy_of_dynamo_graph(original: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a Dynamo graph to rewrite, keeping what Dynamo recorded for AOTAutograd: the
+    graph's compile id and each input's source. From these AOTAutograd knows which inputs are
+    parameters, and Inductor's CUDA graphs keep those in place instead of copying them into
+    graph memory on every replay."""
+    gm = fx.GraphModule(original, copy.deepcopy(original.graph))
+    gm.meta.update(original.meta)
+    sources = {n.name: n._dynamo_source for n in original.graph.nodes
+               if n.op == "placeholder" and hasattr(n, "_dynamo_source")}
+    for node in gm.graph.nodes:
+        if node.name in sources:
+            node._dynamo_source = sources[node.name]
+    return gm
+
+
+def _name_sources(gm: fx.GraphModule, original: fx.GraphModule) -> None:
+    """Give each tensor the rewritten graph holds as an attribute (the packed weights) a source,
+    as Dynamo does for the parameters it keeps as attributes: AOTAutograd lifts these into
+    inputs and takes each for a constant input of the graph only if it has a source."""
+    from torch._dynamo.source import ConstantSource     # Dynamo is loaded: a graph is being compiled
+    if not hasattr(original, "_param_name_to_source"):
+        return
+    sources = dict(original._param_name_to_source)
+    for name, _ in [*gm.named_parameters(), *gm.named_buffers()]:
+        sources.setdefault(name, ConstantSource(f"sparsecc.{name}"))
+    gm._param_name_to_source = sources
 
 
 def _propagate(gm: fx.GraphModule, inputs: list) -> None:
@@ -111,30 +144,41 @@ def _propagate(gm: fx.GraphModule, inputs: list) -> None:
 COMPILED: list[SparseGraph] = []
 
 
-def make_backend(*, formats=None, inductor: bool = True, cudagraphs: bool = False, cpp_wrapper: bool = False,
+def make_backend(*, formats=None, inductor: bool = True, mode: str | None = None, options: dict | None = None,
                  cost_model: CostModel | None = None, kernels=None):
     """A Dynamo backend with options: ``formats`` restricts the candidates and ``kernels``
     names a generated kernel directory, as in ``sparsecc.compile``; ``inductor=False`` runs
-    the rewritten graph without Inductor; ``cudagraphs=True`` has Inductor replay it from CUDA
-    graphs (what ``mode="reduce-overhead"`` does for the inductor backend). That replay copies
-    every parameter input into graph memory per call (a rewritten graph does not carry
-    Dynamo's record of which inputs are static; Llama-1B decode on an H100: 3.1 ms per token
-    against 1.2 ms on the route below): for CUDA graphs prefer ``torch.compile(sparsecc.compile(model, x),
-    mode="reduce-overhead")``, where the packed weights are constants. ``cpp_wrapper=True`` has
-    Inductor write the code that calls the graph's kernels and ops in C++ rather than Python, so
-    each sparse site costs its op's C++ call (on an H100 machine 2.4 us for sparsecc's CUDA op,
-    against 24 us from Python); a C++ compiler builds it once per graph."""
+    the rewritten graph without Inductor. ``mode`` and ``options`` are Inductor's, as
+    ``torch.compile`` takes them (``torch.compile(model, backend="sparsecc", mode=...,
+    options=...)`` passes them here too): ``mode="reduce-overhead"`` replays each graph from CUDA
+    graphs, with the parameters and packed weights kept in place (only the activations are
+    copied in per replay); ``options={"cpp_wrapper": True}`` has Inductor write the code that
+    calls the graph's kernels in C++."""
     if kernels is not None:
         use_kernels(kernels)
     allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
+    defaults = _inductor_options(mode, options)
 
-    def backend(gm: fx.GraphModule, example_inputs):
-        graph = SparseGraph(gm, allowed, inductor, cudagraphs, cost_model, cpp_wrapper)
+    def backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+        patches = {**defaults, **_inductor_options(mode, options)}
+        graph = SparseGraph(gm, allowed, inductor, patches, cost_model)
         graph.build(list(example_inputs))
         COMPILED.append(graph)
         return graph
 
     return backend
+
+
+def _inductor_options(mode: str | None, options: dict | None) -> dict:
+    """Inductor's config patches for a ``torch.compile`` mode plus explicit options."""
+    patches = {}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options     # Inductor loads only when a mode is asked for
+        known = list_mode_options()
+        if mode not in known:
+            raise InputError(f"mode={mode!r}: torch.compile's modes are {sorted(known)}")
+        patches.update(list_mode_options(mode))
+    return {**patches, **(options or {})}
 
 
 sparsecc_backend = make_backend()

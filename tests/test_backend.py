@@ -83,7 +83,7 @@ def test_inductor_can_write_its_wrapper_in_cpp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 16)).eval()
     sparsecc.prune(model, "2:4")
-    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), cpp_wrapper=True))
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), options={"cpp_wrapper": True}))
     x = torch.randn(4, 32)
     with torch.no_grad():
         assert_rel_close(compiled(x), model(x), torch.float32)
@@ -144,3 +144,39 @@ def test_graph_breaks_and_unknown_ops_run_as_usual():
     with torch.no_grad():
         assert_rel_close(compiled(x), model(x), torch.float32)
     assert len(COMPILED) >= 2
+
+
+def test_backend_cost_model_charges_host_time_unless_under_cuda_graphs():
+    """The backend plans op by op unless Inductor replays the graph from CUDA graphs."""
+    from sparsecc.backend import SparseGraph, _inductor_options
+    plain = SparseGraph(None, None, True, _inductor_options(None, None), None)
+    graphed = SparseGraph(None, None, True, _inductor_options("reduce-overhead", None), None)
+    eager = SparseGraph(None, None, False, _inductor_options("reduce-overhead", None), None)
+    assert (plain.cuda_graphs, graphed.cuda_graphs, eager.cuda_graphs) == (False, True, False)
+    with pytest.raises(sparsecc.SparseccError, match="torch.compile's modes"):
+        _inductor_options("fastest", None)
+
+
+def test_inductor_keeps_parameters_and_packed_weights_as_constant_inputs(monkeypatch):
+    """The rewritten graph keeps what Dynamo recorded, so AOTAutograd marks every parameter and
+    packed weight a static input (which CUDA graphs then keep in place instead of copying them
+    in on every replay): only the activation is not static."""
+    import torch._functorch.aot_autograd as aot_autograd
+    found = []
+    original = aot_autograd._try_get_metadata_from_dynamo
+
+    def spy(module, param_keys, full_args_num, *rest):
+        result = original(module, param_keys, full_args_num, *rest)
+        found.append((full_args_num, result[1]))
+        return result
+
+    monkeypatch.setattr(aot_autograd, "_try_get_metadata_from_dynamo", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    sparsecc.prune(model, "2:4")
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",)))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    (inputs, static), = found
+    assert len(static) == inputs - 1

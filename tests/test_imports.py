@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"sparsecc": ROOT / "sparsecc", "sparsecc.passes": ROOT / "passes"}
 #: modules a function may import when it runs: optional dependencies, or ones whose import is
 #: slow and only some calls need (Inductor and Dynamo load only when a graph is compiled)
-LAZY = {"torch._inductor.compile_fx", "torch._dynamo.backends.registry", "torch.utils.cpp_extension",
+LAZY = {"torch._inductor.compile_fx", "torch._inductor", "torch._dynamo.backends.registry", "torch._dynamo.source", "torch.utils.cpp_extension",
         "transformers", "cutlass_library"}
 #: the layers, lowest first: a module may import its own layer and those below
 LAYERS = [("sparsecc._version", "sparsecc.errors", "sparsecc.config"), ("sparsecc.ir",), ("sparsecc.pruning",),

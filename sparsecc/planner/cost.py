@@ -28,6 +28,12 @@ two block shapes of one weight predicted within 20% of each other, or a CPU libr
 Sites whose candidates' times cannot depend on the weight's values share one timing; past
 :data:`TIMING_BUDGET_S` of timing in a plan, predictions decide the remaining sites (their
 reasons say so). ``CostModel(measure=False)`` chooses from the predictions alone.
+
+A model whose ops run one by one from the host (``op_by_op=True``: the ``torch.compile``
+backend without CUDA graphs) also pays each op's host time, and where the host sets the pace
+a kernel's saving on the GPU is lost to it. There a sparse candidate is charged the host time
+its call costs beyond dense's (measured with its timing, :func:`~sparsecc.runtime.timing.host_us`;
+:data:`PREDICTED_EXTRA_HOST_US` where only predicted): a site whose saving is smaller stays dense.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ from ..ir.formats import DENSE, NM_2_4, FormatSpec, pack
 from ..ir.workload import Workload
 from ..kernels import registry
 from ..kernels.base import kernels_unavailable as kernels_unavailable_on
-from ..runtime.timing import packed_runner, reference_us, time_all_us
+from ..runtime.timing import host_us, packed_runner, reference_us, time_all_us
 from ..runtime.torch_ops import torch_has_bsr_kernel
 from . import fit as calib
 from .work import priced_like, work
@@ -93,6 +99,11 @@ TIMING_TRIES = 4
 CLOSE_CALL = (0.7, 1.25)
 #: ... at most this many more times, each candidate keeping its fastest
 CLOSE_CALL_RETIMES = 2
+
+#: op by op on the GPU, the host time a call of a sparse site's op is taken to cost beyond
+#: dense's where it is predicted, not timed (a CUTLASS GEMM's arguments, tensor-map
+#: descriptors and two launches: 40-50 us on an H200 machine; the small-batch kernels less)
+PREDICTED_EXTRA_HOST_US = 40.0
 
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {
@@ -216,12 +227,15 @@ class CostModel:
     :class:`~sparsecc.planner.fit.Calibration`, or None (rough built-in numbers).
     ``measure``: time the shortlisted candidates and keep the fastest (None: yes).
     ``objective`` and ``max_slowdown``: see the module docstring.
+    ``op_by_op``: the model's ops will run one by one from the host, not replayed from CUDA
+    graphs; sparse candidates are charged their extra host time (module docstring).
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, measure: bool | None = None,
                  calibration="auto", objective: str = "latency", max_slowdown: float = 1.1,
-                 kernels_unavailable: str | None = "unset"):
+                 kernels_unavailable: str | None = "unset", op_by_op: bool = False):
         self.device = torch.device(device)
+        self.op_by_op = bool(op_by_op)
         if objective not in OBJECTIVES:
             raise InputError(f"objective={objective!r}: use one of {OBJECTIVES}")
         if not max_slowdown >= 1.0:
@@ -373,7 +387,8 @@ class CostModel:
                  f"M={m_used}" + ("" if m else " (M not observed; assumed)"))
         candidates = exact_candidates(stats, allowed)
         element = torch.empty((), dtype=getattr(torch, stats.dtype)).element_size()
-        times = {s: [self.predict_us(stats, s, rep, planned_m) for _, _, rep in ranges] for s in candidates}
+        times = {s: [self.predict_us(stats, s, rep, planned_m) + self._extra_host_us(s) for _, _, rep in ranges]
+                 for s in candidates}
         at_m = ranges[-1][2]            # the example's M, or the declared range's largest bucket
         predictions = [Prediction(str(s), times[s][-1], format_nbytes(stats, s, element, self.uses_kernel(stats, s)))
                        for s in candidates]
@@ -413,6 +428,11 @@ class CostModel:
         return Decision(spec, f"{why}{self._where_it_runs(stats, spec, planned_m)} at {where} ({self.source})"
                               f"{budget}", predictions, buckets)
 
+    def _extra_host_us(self, spec: FormatSpec) -> float:
+        """What a predicted sparse candidate is charged for its host time (see the module docstring)."""
+        charged = self.op_by_op and self.device.type == "cuda" and spec.kind != "dense"
+        return PREDICTED_EXTRA_HOST_US if charged else 0.0
+
     def _choose_by_timing(self, stats, shortlist, times, predictions, buckets, measured, at_m, where,
                           planned_m) -> Decision:
         """The choice by timing (see the module docstring): the fastest of the shortlist."""
@@ -421,7 +441,8 @@ class CostModel:
             p.measured_us = measured.get(FormatSpec.parse(p.format))
         spec = min(measured, key=measured.get)
         timed = ", ".join(f"{s} {measured[s]:.1f}" for s in sorted(measured, key=measured.get))
-        why = (f"timed here at M={at_m} (us): {timed}; predicted ({self.source}): "
+        host = "; op by op: each sparse time includes its host time beyond dense's" if self._charges_host() else ""
+        why = (f"timed here at M={at_m} (us{host}): {timed}; predicted ({self.source}): "
                + ", ".join(f"{s} {times[s][-1]:.1f}" for s in shortlist) + f"; at {where}")
         margin = MEASURED_MARGIN["cuda" if self.device.type == "cuda" else "cpu"]
         if spec.kind != "dense" and measured[spec] > margin * measured[DENSE]:
@@ -429,6 +450,9 @@ class CostModel:
                                    f"ahead of dense; {why}", predictions, buckets)
         return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec, planned_m)}; {why}",
                         predictions, buckets)
+
+    def _charges_host(self) -> bool:
+        return self.op_by_op and self.device.type == "cuda"
 
     def site_timer(self, weight: torch.Tensor, stats: WeightStats):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
@@ -442,7 +466,8 @@ class CostModel:
             key = _value_free_key(weight, specs, on_kernel, m, planned_m)
             if key is not None and key in self._timings:
                 return dict(self._timings[key])
-            timed = time_sites(weight, specs, m, on_kernel=on_kernel, planned_m=planned_m)
+            timed = time_sites(weight, specs, m, on_kernel=on_kernel, planned_m=planned_m,
+                               host=self._charges_host())
             if key is not None:
                 self._timings[key] = dict(timed)
             return timed
@@ -510,10 +535,12 @@ def _value_free_key(weight: torch.Tensor, specs, on_kernel: dict, m: int, planne
 
 
 def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kernel: dict | None = None,
-               planned_m: int | None = None) -> dict[FormatSpec, float]:
+               planned_m: int | None = None, host: bool = False) -> dict[FormatSpec, float]:
     """Microseconds per call of the site's op for each format in ``specs`` on random inputs
     with ``m`` rows, timed against one another (:func:`sparsecc.runtime.timing.time_all_us`); a format
-    ``on_kernel`` maps to True is packed for sparsecc's kernels, for ``planned_m`` rows."""
+    ``on_kernel`` maps to True is packed for sparsecc's kernels, for ``planned_m`` rows. ``host``
+    (on the GPU): each sparse format's time also counts the host time its call takes beyond
+    dense's (:func:`sparsecc.runtime.timing.host_us`), as a model run op by op pays it."""
     on_kernel = on_kernel or {}
     runners = {}
     for spec in specs:
@@ -523,7 +550,16 @@ def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kern
             if spec == DENSE:
                 raise
             log.warning("sparsecc: %s is left out of the timing: %s", spec, str(error).splitlines()[0])
-    return time_all_us(runners, weight.device)
+    timed = time_all_us(runners, weight.device)
+    if not host or weight.device.type != "cuda" or DENSE not in runners:
+        return timed
+    return with_host_time(timed, {spec: host_us(run) for spec, run in runners.items()})
+
+
+def with_host_time(timed: dict[FormatSpec, float], issued: dict[FormatSpec, float]) -> dict[FormatSpec, float]:
+    """Each sparse format's time plus the host time its call takes (``issued``) beyond dense's."""
+    return {spec: us + (max(0.0, issued[spec] - issued[DENSE]) if spec != DENSE else 0.0)
+            for spec, us in timed.items()}
 
 
 def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bool = False,

@@ -95,6 +95,22 @@ def time_all_us(runners: dict[str, Callable[[], object]], device: torch.device |
     return best
 
 
+def host_us(fn: Callable[[], object], *, calls: int = 20, rounds: int = 3) -> float:
+    """Host microseconds per call of ``fn`` on the GPU: the time to issue ``calls`` calls back to
+    back (launches queue, nothing waits for the GPU), the fastest of ``rounds``. What a call
+    costs a model whose ops run one by one from the host, not from a CUDA graph."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return best
+
+
 def reference_us() -> float:
     """Microseconds of a fixed CPU product (fp32, 64x512 by 512x512), the fastest of three
     rounds: how fast this CPU runs right now. A shared VM's speed drifts by tens of percent

@@ -333,7 +333,7 @@ def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     import sparsecc.planner.cost as cost
     calls = []
 
-    def fake_time_sites(weight, specs, m, *, on_kernel=None, planned_m=None):
+    def fake_time_sites(weight, specs, m, *, on_kernel=None, planned_m=None, host=False):
         calls.append((tuple(weight.shape), [str(s) for s in specs], m))
         return {s: 10.0 if s.kind == "dense" else 5.0 + len(calls) for s in specs}
 
@@ -364,6 +364,7 @@ def test_timing_stops_at_the_budget_and_predictions_decide_the_rest(gen, monkeyp
     monkeypatch.setattr(cost, "SHORTLIST_FACTOR", 1e9)            # every candidate is timed
     stats = analyze(unstructured(256, 512, 0.1, gen))
     model = CostModel("cpu")
+    model._timed_quietly = lambda measure: measure()    # one measurement per timing, however busy the machine
     calls = []
 
     def measure(specs, m, planned_m):
@@ -391,3 +392,33 @@ def test_nm_on_torch_is_no_speed_candidate_but_a_memory_one(gen):
     assert memory.choice.kind == "nm"
     forced = CostModel("cpu").decide(stats, 64, [FormatSpec.parse("2:4")], measure_sites=noisy)
     assert str(forced.choice) == "2:4"
+
+
+def test_op_by_op_charges_sparse_predictions_their_host_time(gen):
+    """A model run op by op from the host pays each op's host time: a predicted sparse candidate
+    is charged PREDICTED_EXTRA_HOST_US, so a 2:4 site that saves less than that stays dense (an
+    H100's 4096x4096 at M=2048 saves about 26 us on the GPU), while dense keeps its time."""
+    from sparsecc.planner.cost import PREDICTED_EXTRA_HOST_US
+    weight = torch.randn(4096, 4096, generator=gen).half() * n_m(4096, 4096, 2, 4, gen).ne(0)
+    stats = analyze(weight)
+    graphs, op_by_op = _h100().decide(stats, 2048, None), _h100(op_by_op=True).decide(stats, 2048, None)
+    before = {p.format: p.us for p in graphs.candidates}
+    after = {p.format: p.us for p in op_by_op.candidates}
+    assert after["dense"] == before["dense"]
+    assert after["2:4"] == pytest.approx(before["2:4"] + PREDICTED_EXTRA_HOST_US)
+    assert str(graphs.choice) == "2:4" and before["dense"] - before["2:4"] < PREDICTED_EXTRA_HOST_US
+    assert str(op_by_op.choice) == "dense"
+    cpu = [CostModel("cpu", measure=False, calibration=None, op_by_op=flag).decide(stats, 2048, None)
+           for flag in (True, False)]                                  # the CPU runs op by op anyway
+    assert [p.us for p in cpu[0].candidates] == [p.us for p in cpu[1].candidates]
+
+
+def test_timed_sparse_formats_carry_their_extra_host_time():
+    """Timed op by op, a sparse format's time grows by the host time its call takes beyond dense's
+    (never shrinks: a call cheaper on the host than dense's gains nothing from it)."""
+    from sparsecc.planner.cost import with_host_time
+    dense, two_four, csr = (FormatSpec.parse(f) for f in ("dense", "2:4", "csr"))
+    timed = {dense: 100.0, two_four: 70.0, csr: 60.0}
+    charged = with_host_time(timed, {dense: 12.0, two_four: 52.0, csr: 8.0})
+    assert charged == {dense: 100.0, two_four: 110.0, csr: 60.0}
+

@@ -80,7 +80,7 @@ def test_compiled_module_under_reduce_overhead_and_the_cudagraph_backend():
     x = torch.randn(8, 512, dtype=torch.float16, device="cuda")
     compiled = sparsecc.compile(model, x, formats=("2:4",))
     graphed = torch.compile(compiled, mode="reduce-overhead")
-    backend = torch.compile(model, backend=make_backend(formats=("2:4",), cudagraphs=True))
+    backend = torch.compile(model, backend=make_backend(formats=("2:4",), mode="reduce-overhead"))
     with torch.no_grad():
         for step in range(4):
             fresh = torch.randn(8, 512, dtype=torch.float16, device="cuda")

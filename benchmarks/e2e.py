@@ -17,10 +17,11 @@ the rest of the graph on Inductor), on Hugging Face architectures built from con
   and compiled, then runs the same fused attention kernel. BERT-large keeps the mask (and the
   fp32 math path, 8.5 of Inductor's 14.2 ms on an H100) for every impl alike.
 
-fp16, median of CUDA-event timings of calls from Python (``us_eager``; ``us`` is left null):
-the implementations of a model are compiled first, then timed in interleaved rounds, each
-keeping its median, so that a drift of the host's speed during the run reaches them all
-alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
+fp16, microseconds per call from Python (``us_eager``; ``us`` is left null): the wall time of
+:data:`CALLS` calls issued back to back and then waited for, which is what a user's loop
+sees whether the host or the GPU sets the pace. The implementations of a model are compiled
+first, then timed in :data:`ROUNDS` interleaved rounds, each keeping its median, so that a
+drift of the host's speed during the run reaches them all alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
 (the first call) and ``sparse_sites`` (sites that run a sparse format, of ``sites``).
 ``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
@@ -44,7 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import RESULTS, environment, fixed_dispatch, relative_error, time_eager_us, write  # noqa: E402
+from common import RESULTS, environment, fixed_dispatch, relative_error, write  # noqa: E402
 
 if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
@@ -61,8 +62,21 @@ CASES = {
     "vit-b16": ("vit-b16", 256, 0, "block64x64@0.1"),
     "gpt2": ("gpt2", 8, 512, "2:4"),
 }
-#: interleaved timing rounds per model (see the docstring)
-ROUNDS = 5
+#: interleaved timing rounds per model, and calls per timing (see the docstring)
+ROUNDS = 9
+CALLS = 10
+
+
+def wall_us(fn, inputs) -> float:
+    """Microseconds per call of :data:`CALLS` calls of ``fn(inputs)`` and the wait for the GPU."""
+    for _ in range(3):
+        fn(inputs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn(inputs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / CALLS
 
 
 #: the attention implementation :func:`unmasked_attention` registers
@@ -144,7 +158,7 @@ def main(argv=None) -> dict:
             times = {impl: [] for impl in compiled}
             for _ in range(ROUNDS):
                 for impl, fn in compiled.items():
-                    times[impl].append(time_eager_us(lambda: fn(inputs), warmup_ms=20, rep_ms=100))
+                    times[impl].append(wall_us(fn, inputs))
             for impl, row in rows.items():
                 row["us_eager"] = statistics.median(times[impl])
                 result["rows"].append(row)

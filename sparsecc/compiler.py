@@ -298,11 +298,14 @@ class PackedSources:
                                 "gradients. Call .eval() on it (and run it under torch.no_grad()), or fine-tune "
                                 "the model itself (sparsecc.pruning.attach_to_optimizer keeps its masks) and "
                                 "compile it afterwards")
+        # once per call (per generated token in generate): a parameter is looked up in its
+        # owner's _parameters first, 5x faster than nn.Module.__getattr__
         for path, owner, attribute, tensor, version in self.watched:
             live_owner, live = owner(), tensor()
             if live_owner is None or live is None:
                 continue
-            if getattr(live_owner, attribute, None) is not live or live._version != version:
+            if live._version != version or (live_owner._parameters.get(attribute, live_owner) is not live
+                                            and getattr(live_owner, attribute, None) is not live):
                 raise SparseccError(f"the weight {path} changed after sparsecc.compile packed it (in place, or "
                                     "replaced): the compiled module would use the old values. Compile the model "
                                     "again after changing its weights")

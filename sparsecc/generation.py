@@ -1,0 +1,101 @@
+"""Timing text generation: the time to the first token and the decode rate of ``model.generate``.
+
+A Hugging Face causal LM compiled by sparsecc generates as the model does (``compile`` plans its
+linear layers from one token, M = batch, to the prompts, M = batch x prompt length). Generation
+has two costs a user feels, and one number hides either: the prompt's forward pass (prefill,
+compute-bound) sets the time to the first token, the per-token passes over the cache (decode,
+weight-bandwidth-bound at small batch) set the tokens per second after it. One call of
+``generate`` gives both: a streamer notes when the first new token reaches the host, and the
+decode rate is the tokens generated after it over the time they took. Greedy, with exactly
+``new_tokens`` tokens (no early stop at an end-of-sequence token), so two models are timed on
+the same work. The command line's ``sparsecc bench --generate``, the sample
+``samples/generate.py`` and ``benchmarks/generate.py`` time generation this way.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .errors import InputError
+
+
+@dataclass
+class GenerationTiming:
+    """Medians over the timed calls; ``tokens_per_s`` counts every sequence of the batch (None
+    for one new token: no decode step); ``sequences`` are the last call's prompt plus new tokens."""
+
+    ttft_ms: float
+    tokens_per_s: float | None
+    sequences: torch.Tensor
+
+
+class FirstTokenClock:
+    """A ``generate`` streamer (``put`` / ``end``) that notes when the first new token is on the
+    host: ``generate`` puts the prompt first, then each step's tokens after copying them from the
+    device (so the step has finished)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            _synchronize(self.device)
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+           new_tokens: int, cache: str | None = None, streamer=None, **kwargs):
+    """``model.generate`` greedily for exactly ``new_tokens`` tokens; ``cache``: None (the dynamic
+    cache) or a ``cache_implementation`` such as ``"static"``. Extra keyword arguments go to
+    ``generate`` (``output_logits=True, return_dict_in_generate=True`` for the logits)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.generation_config, "eos_token_id", None)
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    with torch.no_grad():
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, cache_implementation=cache,
+                              pad_token_id=pad if pad is not None else 0, streamer=streamer, **kwargs)
+
+
+def time_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  new_tokens: int, cache: str | None = None, repeats: int = 3, warmup: int = 1) -> GenerationTiming:
+    """Time greedy generation of ``new_tokens`` tokens after the prompts ``input_ids``: ``warmup``
+    untimed calls (two for CUDA graphs: one to compile, one to record), then the medians of
+    ``repeats`` timed ones."""
+    if new_tokens < 1 or repeats < 1 or warmup < 0:
+        raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
+                         f"{new_tokens}, {repeats}, {warmup}")
+    device = input_ids.device
+    for _ in range(warmup):
+        greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache)
+    ttfts, rates = [], []
+    for _ in range(repeats):
+        clock = FirstTokenClock(device)
+        _synchronize(device)
+        start = time.perf_counter()
+        sequences = greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
+        _synchronize(device)
+        end = time.perf_counter()
+        first = clock.first_token_at if clock.first_token_at is not None else end
+        ttfts.append((first - start) * 1e3)
+        if new_tokens > 1:
+            rates.append(input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9))
+    return GenerationTiming(statistics.median(ttfts), statistics.median(rates) if rates else None, sequences)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

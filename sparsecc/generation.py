@@ -75,25 +75,47 @@ def time_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     """Time greedy generation of ``new_tokens`` tokens after the prompts ``input_ids``: ``warmup``
     untimed calls (two for CUDA graphs: one to compile, one to record), then the medians of
     ``repeats`` timed ones."""
+    return time_generate_each({"model": model}, input_ids, attention_mask, new_tokens=new_tokens, cache=cache,
+                              repeats=repeats, warmup=warmup)["model"]
+
+
+def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache: str | None = None,
+                       repeats: int = 3, warmup: int = 1) -> dict[str, GenerationTiming]:
+    """:func:`time_generate` for several models (by name) on the same prompts, their timed calls
+    interleaved round by round, so a burst of other work on the machine falls on all alike."""
     if new_tokens < 1 or repeats < 1 or warmup < 0:
         raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
                          f"{new_tokens}, {repeats}, {warmup}")
-    device = input_ids.device
-    for _ in range(warmup):
-        greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache)
-    ttfts, rates = [], []
+    for model in models.values():
+        for _ in range(warmup):
+            greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache)
+    ttfts: dict[str, list[float]] = {name: [] for name in models}
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    last = {}
     for _ in range(repeats):
-        clock = FirstTokenClock(device)
-        _synchronize(device)
-        start = time.perf_counter()
-        sequences = greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
-        _synchronize(device)
-        end = time.perf_counter()
-        first = clock.first_token_at if clock.first_token_at is not None else end
-        ttfts.append((first - start) * 1e3)
-        if new_tokens > 1:
-            rates.append(input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9))
-    return GenerationTiming(statistics.median(ttfts), statistics.median(rates) if rates else None, sequences)
+        for name, model in models.items():
+            ttft, rate, last[name] = _timed_call(model, input_ids, attention_mask, new_tokens, cache)
+            ttfts[name].append(ttft)
+            if rate is not None:
+                rates[name].append(rate)
+    return {name: GenerationTiming(statistics.median(ttfts[name]),
+                                   statistics.median(rates[name]) if rates[name] else None, last[name])
+            for name in models}
+
+
+def _timed_call(model, input_ids, attention_mask, new_tokens, cache):
+    """One generation: (ms to the first token, decode tokens per second or None, the sequences)."""
+    device = input_ids.device
+    clock = FirstTokenClock(device)
+    _synchronize(device)
+    start = time.perf_counter()
+    sequences = greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
+    _synchronize(device)
+    end = time.perf_counter()
+    first = clock.first_token_at if clock.first_token_at is not None else end
+    rate = input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9) if new_tokens > 1 else None
+    return (first - start) * 1e3, rate, sequences
 
 
 def _synchronize(device: torch.device) -> None:

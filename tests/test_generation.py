@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsecc.errors import InputError
-from sparsecc.generation import FirstTokenClock, greedy, time_generate
+from sparsecc.generation import FirstTokenClock, greedy, time_generate, time_generate_each
 
 from models import llama_lm
 
@@ -43,3 +43,15 @@ def test_time_generate_reports_the_first_token_and_the_decode_rate():
     assert one.ttft_ms > 0 and one.tokens_per_s is None and one.sequences.shape == (3, 7)
     with pytest.raises(InputError, match="new_tokens >= 1"):
         time_generate(model, ids, new_tokens=0)
+
+
+def test_several_models_are_timed_in_turn():
+    torch.manual_seed(0)
+    first, second = llama_lm(), llama_lm()
+    ids = torch.randint(3, 256, (2, 4))
+    order = []
+    first.register_forward_pre_hook(lambda *_: order.append("first"))
+    second.register_forward_pre_hook(lambda *_: order.append("second"))
+    timings = time_generate_each({"first": first, "second": second}, ids, new_tokens=1, repeats=2, warmup=0)
+    assert list(timings) == ["first", "second"] and order == ["first", "second"] * 2
+    assert torch.equal(timings["first"].sequences, greedy(first, ids, new_tokens=1))

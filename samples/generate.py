@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 
 import sparsecc
-from sparsecc.generation import time_generate_each
+from sparsecc.generation import GRAPH_WARMUP, time_generate_each
 
 #: pruning pattern -> the format that stores it (for --force-formats)
 PATTERNS = {"2:4": ("2:4",), "unstructured@0.1": ("csr",)}
@@ -48,7 +48,7 @@ def run(pattern: str, *, size="small", batch=4, prompt=64, new_tokens=32, cache=
     sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
     compiled = sparsecc.compile(model, ids, formats=formats)       # planned for M = 1 .. batch x prompt
     plan = compiled.sparsecc_plan
-    warmup = 2 if cache == "static" and device.type == "cuda" else 1      # compile, then record CUDA graphs
+    warmup = GRAPH_WARMUP if cache == "static" and device.type == "cuda" else 1   # compile, record CUDA graphs
     timings = time_generate_each({"eager": model, "sparsecc": compiled}, ids, new_tokens=new_tokens, cache=cache,
                                  repeats=repeats, warmup=warmup)          # interleaved, medians
     eager, fast = timings["eager"], timings["sparsecc"]

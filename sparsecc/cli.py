@@ -32,7 +32,7 @@ from .compiler import plan as plan_model
 from .config import configure_logging
 from .errors import InputError, SparseccError
 from .frontend.tracing import normalize_inputs
-from .generation import time_generate_each
+from .generation import GRAPH_WARMUP, time_generate_each
 from .ir.plan import Plan
 from .kernels import registry, tune
 from .kernels.base import kernels_unavailable
@@ -162,7 +162,7 @@ def _bench_generate(args) -> int:
         raise InputError(f"{args.model}: --generate needs example inputs that are token ids [batch, prompt length]")
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
                              objective=args.objective)
-    warmup = 2 if args.cache == "static" and inputs.device.type == "cuda" else 1    # compile, record CUDA graphs
+    warmup = GRAPH_WARMUP if args.cache == "static" and inputs.device.type == "cuda" else 1
     timings = time_generate_each({"eager": model, "sparsecc": compiled}, inputs, new_tokens=args.new_tokens,
                                  cache=args.cache, repeats=args.repeats, warmup=warmup)
     rows = [{"impl": name, "ttft_ms": t.ttft_ms, "tokens_per_s": t.tokens_per_s, "sequences": t.sequences}

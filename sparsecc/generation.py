@@ -8,11 +8,16 @@ weight-bandwidth-bound at small batch) set the tokens per second after it. One c
 ``generate`` gives both: a streamer notes when the first new token reaches the host, and the
 decode rate is the tokens generated after it over the time they took. Greedy, with exactly
 ``new_tokens`` tokens (no early stop at an end-of-sequence token), so two models are timed on
-the same work. The command line's ``sparsecc bench --generate``, the sample
-``samples/generate.py`` and ``benchmarks/generate.py`` time generation this way.
+the same work. With ``cache="static"`` each model keeps one static cache across the timed calls,
+emptied before each: its tensors stay where they are, so CUDA graphs captured by
+``torch.compile(mode="reduce-overhead")`` replay instead of being captured again for every call (a
+cache made per call, as ``generate(cache_implementation="static")`` does, moves them). The command
+line's ``sparsecc bench --generate``, the sample ``samples/generate.py`` and
+``benchmarks/generate.py`` time generation this way.
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +26,13 @@ import torch
 import torch.nn as nn
 
 from .errors import InputError
+
+
+#: untimed calls before timing a model whose forward is compiled for CUDA graphs with a static
+#: cache (torch.compile(mode="reduce-overhead"), or generate's own compile of the decode step): the
+#: first compiles with the cache still empty (it is made in the first forward), the second compiles
+#: again with it made and records the decode step, the third records the prompt's step
+GRAPH_WARMUP = 3
 
 
 @dataclass
@@ -54,48 +66,64 @@ class FirstTokenClock:
 
 
 def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-           new_tokens: int, cache: str | None = None, streamer=None, **kwargs):
-    """``model.generate`` greedily for exactly ``new_tokens`` tokens; ``cache``: None (the dynamic
-    cache) or a ``cache_implementation`` such as ``"static"``. Extra keyword arguments go to
-    ``generate`` (``output_logits=True, return_dict_in_generate=True`` for the logits)."""
+           new_tokens: int, cache=None, streamer=None, **kwargs):
+    """``model.generate`` greedily for exactly ``new_tokens`` tokens. ``cache``: None (the dynamic
+    cache), a ``cache_implementation`` such as ``"static"`` (a new cache for the call), or a cache
+    object (e.g. :func:`static_cache`'s), emptied first and filled in place. Extra keyword arguments
+    go to ``generate`` (``output_logits=True, return_dict_in_generate=True`` for the logits)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if cache is None or isinstance(cache, str):
+        kwargs["cache_implementation"] = cache
+    else:
+        cache.reset()
+        kwargs[_cache_argument(model)] = cache
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = getattr(model.generation_config, "eos_token_id", None)
         pad = pad[0] if isinstance(pad, (list, tuple)) else pad
     with torch.no_grad():
         return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, cache_implementation=cache,
-                              pad_token_id=pad if pad is not None else 0, streamer=streamer, **kwargs)
+                              min_new_tokens=new_tokens, do_sample=False, streamer=streamer,
+                              pad_token_id=pad if pad is not None else 0, **kwargs)
+
+
+def static_cache(model: nn.Module, max_cache_len: int):
+    """A Hugging Face static cache for ``model`` holding up to ``max_cache_len`` tokens per sequence,
+    to pass to :func:`greedy` call after call (its tensors are made on the first call)."""
+    from transformers import StaticCache         # optional: only causal LMs generate
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
 def time_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                  new_tokens: int, cache: str | None = None, repeats: int = 3, warmup: int = 1) -> GenerationTiming:
+                  new_tokens: int, cache=None, repeats: int = 3, warmup: int = 1) -> GenerationTiming:
     """Time greedy generation of ``new_tokens`` tokens after the prompts ``input_ids``: ``warmup``
-    untimed calls (two for CUDA graphs: one to compile, one to record), then the medians of
-    ``repeats`` timed ones."""
+    untimed calls (:data:`GRAPH_WARMUP` for CUDA graphs), then the medians of ``repeats`` timed ones."""
     return time_generate_each({"model": model}, input_ids, attention_mask, new_tokens=new_tokens, cache=cache,
                               repeats=repeats, warmup=warmup)["model"]
 
 
 def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache: str | None = None,
+                       attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache=None,
                        repeats: int = 3, warmup: int = 1) -> dict[str, GenerationTiming]:
     """:func:`time_generate` for several models (by name) on the same prompts, their timed calls
     interleaved round by round, so a burst of other work on the machine falls on all alike."""
     if new_tokens < 1 or repeats < 1 or warmup < 0:
         raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
                          f"{new_tokens}, {repeats}, {warmup}")
-    for model in models.values():
+    if cache == "static":       # one per model, kept across the calls (see the module docstring)
+        caches = {name: static_cache(model, input_ids.shape[1] + new_tokens) for name, model in models.items()}
+    else:
+        caches = {name: cache for name in models}
+    for name, model in models.items():
         for _ in range(warmup):
-            greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache)
+            greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=caches[name])
     ttfts: dict[str, list[float]] = {name: [] for name in models}
     rates: dict[str, list[float]] = {name: [] for name in models}
     last = {}
     for _ in range(repeats):
         for name, model in models.items():
-            ttft, rate, last[name] = _timed_call(model, input_ids, attention_mask, new_tokens, cache)
+            ttft, rate, last[name] = _timed_call(model, input_ids, attention_mask, new_tokens, caches[name])
             ttfts[name].append(ttft)
             if rate is not None:
                 rates[name].append(rate)
@@ -116,6 +144,13 @@ def _timed_call(model, input_ids, attention_mask, new_tokens, cache):
     first = clock.first_token_at if clock.first_token_at is not None else end
     rate = input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9) if new_tokens > 1 else None
     return (first - start) * 1e3, rate, sequences
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The name ``generate`` takes a cache object by: ``cache`` in recent transformers (5.2x),
+    ``past_key_values`` before (as the model's forward names it)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _synchronize(device: torch.device) -> None:

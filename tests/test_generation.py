@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsecc.errors import InputError
-from sparsecc.generation import FirstTokenClock, greedy, time_generate, time_generate_each
+from sparsecc.generation import FirstTokenClock, greedy, static_cache, time_generate, time_generate_each
 
 from models import llama_lm
 
@@ -55,3 +55,19 @@ def test_several_models_are_timed_in_turn():
     timings = time_generate_each({"first": first, "second": second}, ids, new_tokens=1, repeats=2, warmup=0)
     assert list(timings) == ["first", "second"] and order == ["first", "second"] * 2
     assert torch.equal(timings["first"].sequences, greedy(first, ids, new_tokens=1))
+
+
+def test_a_static_cache_kept_across_calls_stays_in_place_and_generates_alike():
+    """CUDA graphs need the cache's tensors where they were: one static cache, emptied before each
+    call, gives each call the tokens of a fresh one, for other prompts too."""
+    torch.manual_seed(0)
+    model = llama_lm()
+    ids = torch.randint(3, 256, (2, 6))
+    cache = static_cache(model, 6 + 4)
+    first = greedy(model, ids, new_tokens=4, cache=cache)
+    where = [layer.keys.data_ptr() for layer in cache.layers]
+    assert torch.equal(first, greedy(model, ids, new_tokens=4, cache="static"))
+    assert torch.equal(greedy(model, ids, new_tokens=4, cache=cache), first)
+    other = torch.randint(3, 256, (2, 6))
+    assert torch.equal(greedy(model, other, new_tokens=4, cache=cache), greedy(model, other, new_tokens=4))
+    assert [layer.keys.data_ptr() for layer in cache.layers] == where

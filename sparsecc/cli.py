@@ -4,6 +4,7 @@
     sparsecc compile MODEL --out model.pt [--prune ...] [--kernels DIR]
     sparsecc generate (MODEL | plan.json) --arch sm_90a --out DIR
     sparsecc bench MODEL [--prune ...] [--json]
+    sparsecc bench CAUSAL_LM --generate [--new-tokens N] [--cache static] [--prune ...]
     sparsecc tune MODEL [--prune ...] [--m-range LO HI] [--all]
     sparsecc tune --shapes NxK ... --ms M ... [--dtype float16]
     sparsecc calibrate
@@ -26,15 +27,17 @@ from torch.utils.benchmark import Timer
 
 from ._version import __version__
 from .compiler import compile as compile_model
+from .compiler import generates
 from .compiler import plan as plan_model
 from .config import configure_logging
 from .errors import InputError, SparseccError
 from .frontend.tracing import normalize_inputs
+from .generation import GRAPH_WARMUP, time_generate_each
 from .ir.plan import Plan
 from .kernels import registry, tune
 from .kernels.base import kernels_unavailable
 from .kernels.sparse24_small import choose
-from .models import BUILTIN, load
+from .models import BUILTIN, CAUSAL, load
 from .planner import calibrate as calibration
 from .planner.fit import cache_path
 from .pruning import prune
@@ -51,9 +54,12 @@ def _model_arguments(parser: argparse.ArgumentParser, *, required: bool = True) 
                         help="cast the model (default: float16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--prune", metavar="PATTERN", help="prune first, e.g. 2:4, unstructured@0.1, block64x64@0.1")
+    parser.add_argument("--exclude", nargs="+", metavar="GLOB",
+                        help="module names --prune leaves dense, e.g. '*lm_head*' '*embed*'")
     parser.add_argument("--formats", nargs="+", metavar="FORMAT", help="restrict the formats, e.g. 2:4 csr bsr")
     parser.add_argument("--m-range", nargs=2, type=int, metavar=("LO", "HI"),
-                        help="batch sizes the model will run at (default: the example inputs' M)")
+                        help="batch sizes the model will run at (default: the example inputs' M; for a "
+                             "causal LM, 1 to it)")
     parser.add_argument("--objective", choices=("latency", "memory"), default="latency",
                         help="fastest format, or fewest bytes within 10%% of the fastest")
 
@@ -62,12 +68,12 @@ def _prepared(args, default_dtype=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     default_dtype = default_dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
-    model, inputs = load(args.model, batch=args.batch, seq=args.seq)
+    model, inputs = load(args.model, batch=args.batch, seq=args.seq, device=device)
     model = model.to(device=device, dtype=dtype)
     if isinstance(inputs, torch.Tensor):
         inputs = inputs.to(device, dtype if inputs.is_floating_point() else inputs.dtype)
     if args.prune:
-        print(prune(model, args.prune).table(), file=sys.stderr)
+        print(prune(model, args.prune, exclude=args.exclude).table(), file=sys.stderr)
     return model, inputs
 
 
@@ -114,6 +120,8 @@ def _generate(args) -> int:
 
 def _bench(args) -> int:
     """Time the eager model and the compiled one on the example inputs."""
+    if args.generate:
+        return _bench_generate(args)
     model, inputs = _prepared(args)
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
                              objective=args.objective)
@@ -135,6 +143,47 @@ def _bench(args) -> int:
             print(f"{row['impl']:>9}: {row['ms']:9.3f} ms")
         print(f"  speedup: {summary['speedup']:.2f}x   weights: {plan.bytes_before / 2**20:.1f} MiB -> "
               f"{plan.bytes_after / 2**20:.1f} MiB")
+    return 0
+
+
+def _bench_generate(args) -> int:
+    """Time greedy generation (sparsecc.generation) by the eager model and the compiled one, from
+    prompts of --batch x --seq tokens: time to the first token and decode tokens per second."""
+    if args.model in BUILTIN and args.model not in CAUSAL:
+        raise InputError(f"{args.model} has no language-model head and cannot generate: --generate takes a causal LM, "
+                         f"{' or '.join(CAUSAL)}, or file.py:function returning one")
+    if args.new_tokens < 1:
+        raise InputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    model, inputs = _prepared(args)
+    if not generates(model):
+        raise InputError(f"{args.model} cannot generate: --generate takes a causal LM with a generate method "
+                         "(e.g. a Hugging Face *ForCausalLM)")
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.is_floating_point():
+        raise InputError(f"{args.model}: --generate needs example inputs that are token ids [batch, prompt length]")
+    compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
+                             objective=args.objective)
+    warmup = GRAPH_WARMUP if args.cache == "static" and inputs.device.type == "cuda" else 1
+    timings = time_generate_each({"eager": model, "sparsecc": compiled}, inputs, new_tokens=args.new_tokens,
+                                 cache=args.cache, repeats=args.repeats, warmup=warmup)
+    rows = [{"impl": name, "ttft_ms": t.ttft_ms, "tokens_per_s": t.tokens_per_s, "sequences": t.sequences}
+            for name, t in timings.items()]
+    same = torch.equal(rows[0].pop("sequences"), rows[1].pop("sequences"))
+    plan = compiled.sparsecc_plan
+    decode = (rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]) if rows[0]["tokens_per_s"] else None
+    summary = {"model": args.model, "device": str(inputs.device), "batch": inputs.shape[0], "prompt": inputs.shape[1],
+               "new_tokens": args.new_tokens, "cache": args.cache or "dynamic", "rows": rows,
+               "ttft_speedup": rows[0]["ttft_ms"] / rows[1]["ttft_ms"], "decode_speedup": decode,
+               "same_tokens": same, "m_range": plan.sites[0].m_range if plan.sites else None,
+               "weight_bytes_before": plan.bytes_before, "weight_bytes_after": plan.bytes_after}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    for row in rows:
+        rate = f"{row['tokens_per_s']:10.1f} tokens/s" if row["tokens_per_s"] else "         - (one token)"
+        print(f"{row['impl']:>9}: first token {row['ttft_ms']:9.2f} ms   decode {rate}")
+    print(f"  speedup: first token {summary['ttft_speedup']:.2f}x" + (f", decode {decode:.2f}x" if decode else "")
+          + f"   same tokens: {'yes' if same else 'NO'}   weights: {plan.bytes_before / 2**20:.1f} MiB -> "
+            f"{plan.bytes_after / 2**20:.1f} MiB")
     return 0
 
 
@@ -264,11 +313,22 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True, help="the directory to write")
     gen.add_argument("--json", action="store_true", help="print the manifest as JSON")
     gen.set_defaults(run=_generate)
-    bench = commands.add_parser("bench", help="time a model eagerly and compiled by sparsecc")
+    bench = commands.add_parser("bench", help="time a model eagerly and compiled by sparsecc",
+                                description="Time a model on its example inputs eagerly and compiled by sparsecc; "
+                                            "with --generate, time greedy generation by a causal LM from prompts of "
+                                            "--batch x --seq tokens: the time to the first token and decode tokens "
+                                            "per second (sparsecc plans the layers from one token to the prompts).")
     _model_arguments(bench)
     bench.add_argument("--kernels", metavar="DIR", help="load kernels from a `sparsecc generate` directory")
     bench.add_argument("--seconds", type=float, default=1.0, help="measuring time per implementation")
     bench.add_argument("--json", action="store_true", help="print the timings as JSON")
+    bench.add_argument("--generate", action="store_true",
+                       help=f"time model.generate instead (a causal LM: {', '.join(CAUSAL)} or file.py:function)")
+    bench.add_argument("--new-tokens", type=int, default=32, help="with --generate: tokens to generate (default 32)")
+    bench.add_argument("--cache", choices=("static",), default=None,
+                       help="with --generate: the static KV cache (default: the dynamic one); on the GPU, "
+                            "generate then compiles each decode step with CUDA graphs, for both models")
+    bench.add_argument("--repeats", type=int, default=3, help="with --generate: timed calls, the median kept")
     bench.set_defaults(run=_bench)
     tun = commands.add_parser("tune", help="time the kernels' launches on this GPU for a model's (or given) shapes",
                               description="Time every launch candidate of the kernel families a model needs "

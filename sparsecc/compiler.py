@@ -78,7 +78,10 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         cost_model: a custom cost model (its own objective applies).
         m_range: ``(lo, hi)``, the batch sizes M the model will run at (e.g. ``(1, 8192)``
             for decode and prefill); each site is chosen for the whole range, bucket by
-            bucket (see sparsecc.planner.cost). Default: the M of the example inputs.
+            bucket (see sparsecc.planner.cost). Default: the M of the example inputs; for a
+            model that generates (a Hugging Face causal LM, see :func:`generates`), from 1 to
+            that M: give it the prompts (batch x prompt length tokens, the prefill) and the
+            plan covers decoding too (one token per sequence, M = batch).
         objective: ``"latency"`` (the fastest) or ``"memory"`` (the fewest bytes among the
             formats predicted within 10% of the fastest).
         verify: run the compiled model on the example inputs and raise if it does not match
@@ -132,12 +135,26 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
         fuse_epilogue.run(part.gm)
     stats = analyze_sites(sites, allowed)
     m_range = check_m_range(m_range)
+    seen = [s.m for s in sites if s.m]
+    if m_range is None and seen and generates(model):
+        m_range = (1, max(seen))
     model_cost = cost_model or CostModel(target, objective=objective)
     if given_plan is not None:
         the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
     else:
         the_plan = plan_sites(sites, stats, model_cost, allowed, target, traced.untraced, m_range)
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost)
+
+
+def generates(model: nn.Module) -> bool:
+    """Whether ``model`` generates text token by token: it has a ``generate`` method and, where
+    it says (Hugging Face's ``can_generate()``: a causal-LM head), can use it. Such a model runs
+    its linear layers at M = batch x prompt length for the prompt and at M = batch per new
+    token, so its plan covers both by default."""
+    if not callable(getattr(model, "generate", None)):
+        return False
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else True
 
 
 def _parse_formats(formats) -> list[FormatSpec] | None:
@@ -298,11 +315,14 @@ class PackedSources:
                                 "gradients. Call .eval() on it (and run it under torch.no_grad()), or fine-tune "
                                 "the model itself (sparsecc.pruning.attach_to_optimizer keeps its masks) and "
                                 "compile it afterwards")
+        # once per call (per generated token in generate): a parameter is looked up in its
+        # owner's _parameters first, 5x faster than nn.Module.__getattr__
         for path, owner, attribute, tensor, version in self.watched:
             live_owner, live = owner(), tensor()
             if live_owner is None or live is None:
                 continue
-            if getattr(live_owner, attribute, None) is not live or live._version != version:
+            if live._version != version or (live_owner._parameters.get(attribute, live_owner) is not live
+                                            and getattr(live_owner, attribute, None) is not live):
                 raise SparseccError(f"the weight {path} changed after sparsecc.compile packed it (in place, or "
                                     "replaced): the compiled module would use the old values. Compile the model "
                                     "again after changing its weights")

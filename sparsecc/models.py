@@ -1,6 +1,8 @@
 """Models the command line, samples and benchmarks refer to by name, built from configs
 (nothing is downloaded): ``mlp``, ``bert-base``, ``bert-large``, ``gpt2``, ``llama-1b``,
-``vit-b16``; or ``path/to/file.py:function`` returning ``(model, example_inputs)``."""
+``vit-b16``, and the causal LMs ``gpt2-causal`` and ``llama-1b-causal`` (the same models with
+their language-model heads, which generate); or ``path/to/file.py:function`` returning
+``(model, example_inputs)``."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,29 +25,37 @@ def _hf(name: str, batch: int, seq: int):
         config = hf.BertConfig(hidden_size=1024 if large else 768, num_hidden_layers=24 if large else 12,
                                num_attention_heads=16 if large else 12, intermediate_size=4096 if large else 3072)
         return hf.BertModel(config, add_pooling_layer=False), torch.randint(0, config.vocab_size, (batch, seq))
-    if name == "gpt2":
-        config = hf.GPT2Config(use_cache=False)
-        return hf.GPT2Model(config), torch.randint(0, config.vocab_size, (batch, seq))
-    if name == "llama-1b":       # Llama-3.2-1B's shapes, with a 32k vocabulary
+    causal = name.endswith("-causal")     # with the LM head, and a KV cache to generate with
+    if name.startswith("gpt2"):
+        config = hf.GPT2Config(use_cache=causal)
+        model = hf.GPT2LMHeadModel(config) if causal else hf.GPT2Model(config)
+        return model, torch.randint(0, config.vocab_size, (batch, seq))
+    if name.startswith("llama-1b"):       # Llama-3.2-1B's shapes, with a 32k vocabulary
         config = hf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, use_cache=False)
-        return hf.LlamaModel(config), torch.randint(0, config.vocab_size, (batch, seq))
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, use_cache=causal)
+        model = hf.LlamaForCausalLM(config) if causal else hf.LlamaModel(config)
+        return model, torch.randint(0, config.vocab_size, (batch, seq))
     if name == "vit-b16":
         config = hf.ViTConfig()
         return hf.ViTModel(config, add_pooling_layer=False), torch.randn(batch, 3, 224, 224)
     raise KeyError(name)
 
 
-BUILTIN = ("mlp", "bert-base", "bert-large", "gpt2", "llama-1b", "vit-b16")
+BUILTIN = ("mlp", "bert-base", "bert-large", "gpt2", "llama-1b", "vit-b16", "gpt2-causal", "llama-1b-causal")
+#: the built-in models that generate text
+CAUSAL = ("gpt2-causal", "llama-1b-causal")
 
 
-def load(spec: str, *, batch: int = 8, seq: int = 128) -> tuple[nn.Module, object]:
-    """The model and example inputs named by ``spec``."""
+def load(spec: str, *, batch: int = 8, seq: int = 128, device=None) -> tuple[nn.Module, object]:
+    """The model and example inputs named by ``spec``; a built-in one is made on ``device`` (default:
+    torch's default device), which for a large model is much faster on the GPU than made and moved."""
     if spec == "mlp":
-        model = nn.Sequential(nn.Linear(784, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(), nn.Linear(100, 10))
-        return model, torch.randn(batch, 784)
+        with torch.device(device or torch.get_default_device()):
+            model = nn.Sequential(nn.Linear(784, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(), nn.Linear(100, 10))
+            return model, torch.randn(batch, 784)
     if spec in BUILTIN:
-        model, inputs = _hf(spec, batch, seq)
+        with torch.device(device or torch.get_default_device()):
+            model, inputs = _hf(spec, batch, seq)
         return model.eval(), inputs
     path, _, function = spec.partition(":")
     if not function or not Path(path).is_file():

@@ -49,3 +49,18 @@ def sparsify_24(model: nn.Module) -> None:
             keep = groups.abs().topk(2, dim=-1).indices
             mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
             w.copy_((groups * mask).reshape_as(w))
+
+
+def llama_lm(hidden=64, layers=2, intermediate=128, vocab=256):
+    """A Llama causal LM (LlamaForCausalLM) that generates; token 0 pads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=intermediate, vocab_size=vocab,
+                                        max_position_embeddings=128, pad_token_id=0)).eval()
+
+
+def gpt2_lm(hidden=64, layers=2, vocab=256):
+    """A GPT-2 causal LM (GPT2LMHeadModel, its head tied to the token embedding); token 0 pads."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=128,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()

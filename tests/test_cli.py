@@ -144,3 +144,45 @@ def test_calibrate_shows_an_unconstrained_fit_as_not_applicable(monkeypatch, cap
     assert cli.main(["calibrate", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "n/a GB/s" in out and "e+48" not in out and "20.0 GB/s" in out
+
+
+TINY_CAUSAL_LM = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def lm():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval(), torch.randint(3, 256, (2, 8))
+'''
+
+
+def test_bench_generate_times_a_causal_lm(tmp_path, capsys):
+    """``bench --generate``: eager and compiled generate the same tokens; each has a time to the
+    first token and a decode rate; the plan covers M from 1 to batch x prompt."""
+    script = tmp_path / "lm.py"
+    script.write_text(TINY_CAUSAL_LM)
+    assert cli.main(["bench", f"{script}:lm", "--generate", "--prune", "2:4", "--exclude", "*lm_head*", "*embed*",
+                     "--formats", "2:4", "--device", "cpu", "--new-tokens", "4", "--repeats", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["same_tokens"] is True and summary["m_range"] == [1, 16]
+    assert (summary["batch"], summary["prompt"], summary["new_tokens"]) == (2, 8, 4)
+    assert [row["impl"] for row in summary["rows"]] == ["eager", "sparsecc"]
+    assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in summary["rows"])
+    assert summary["weight_bytes_after"] < summary["weight_bytes_before"]
+    assert cli.main(["bench", f"{script}:lm", "--generate", "--device", "cpu", "--new-tokens", "2", "--repeats", "1",
+                     "--cache", "static"]) == 0
+    out = capsys.readouterr().out
+    assert "first token" in out and "tokens/s" in out and "same tokens: yes" in out
+
+
+@pytest.mark.parametrize("model", ["mlp", "llama-1b"])
+def test_bench_generate_refuses_a_model_that_cannot_generate_in_one_line(model, capsys):
+    assert cli.main(["bench", model, "--generate", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == ""
+    assert lines[0].startswith(f"sparsecc: error: {model} has no language-model head and cannot generate")
+    assert "llama-1b-causal" in lines[0]

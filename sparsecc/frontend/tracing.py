@@ -227,9 +227,33 @@ def assemble(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object whose registries (children, parameters, buffers, hooks) are its own
-    dicts holding the same values, so replacing a child does not touch the original."""
+    dicts holding the same values, so replacing a child does not touch the original.
+
+    Attributes that call the original module are left out: a method of it stored on the
+    instance, or a wrapper of one, such as ``model.forward = torch.compile(model.forward)`` or
+    the compiled ``__call__`` that Hugging Face's ``generate`` caches on a model
+    (``_compiled_call``). Copied, they would run the original, uncompiled by sparsecc; left
+    out, the copy runs its own forward (and ``generate`` compiles the copy's own call)."""
     new = copy.copy(module)
     for key, value in module.__dict__.items():
         if key.startswith("_") and isinstance(value, (dict, set)):
             new.__dict__[key] = copy.copy(value)
+        elif _calls_into(value, module):
+            del new.__dict__[key]
     return new
+
+
+#: how many ``__wrapped__`` links :func:`_calls_into` follows
+WRAPPER_DEPTH = 8
+
+
+def _calls_into(value: Any, module: nn.Module) -> bool:
+    """Whether ``value`` is a method bound to ``module``, or wraps one (``functools.wraps``'
+    ``__wrapped__``, which torch.compile sets)."""
+    for _ in range(WRAPPER_DEPTH):
+        if value is None or isinstance(value, (torch.Tensor, nn.Module)):
+            return False
+        if getattr(value, "__self__", None) is module:
+            return True
+        value = getattr(value, "__wrapped__", None)
+    return False

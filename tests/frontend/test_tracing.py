@@ -1,5 +1,7 @@
 """tracing: whole-model fx first, then part by part; guarded parts; clear input errors;
 the original model is never changed."""
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -98,3 +100,30 @@ def test_a_module_called_whole_with_weights_is_reported():
     assert [site.label for site in plan.sites] == ["fc"]
     assert set(plan.untraced) == {"attention"}
     assert "in_proj_weight" in plan.untraced["attention"] and "out_proj.weight" in plan.untraced["attention"]
+
+
+def test_assemble_leaves_out_calls_into_the_original():
+    """A method of the original stored on it (``model.forward = wrapper(model.forward)``, a
+    compiled ``__call__`` cached by ``generate``) would run the original from the copy: the copy
+    leaves it out and runs its own forward; other attributes are kept."""
+    model = Untraceable()
+    calls = []
+    original_forward = model.forward
+
+    @functools.wraps(original_forward)          # as torch.compile does: __wrapped__ is the bound method
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original_forward(*args, **kwargs)
+
+    model.forward = counting
+    model.cached_call = functools.partial(model.__call__)      # no __self__, no __wrapped__: kept
+    model.note = "kept"
+    replacement = nn.Linear(4, 4)
+    assembled = tracing.assemble(model, {"b": replacement})
+    assert "forward" not in assembled.__dict__ and "forward" in model.__dict__
+    assert assembled.note == "kept" and "cached_call" in assembled.__dict__
+    x = -torch.ones(2, 4)                                   # x.sum() < 0: no branch
+    torch.testing.assert_close(assembled(x), replacement(model.a(x)))
+    assert not calls
+    model(x)
+    assert calls == [1]

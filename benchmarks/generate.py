@@ -1,0 +1,276 @@
+"""Generation on the GPU: time to the first token (the prompt's prefill) and decode tokens per second
+of ``model.generate`` (greedy, KV cache), the dense model against sparsecc's, in one process.
+
+Models, built from configs (nothing is downloaded), fp16: ``llama-1b`` (LlamaForCausalLM with
+Llama-3.2-1B's shapes: hidden 2048, MLP 8192, 16 layers, 32 heads, 8 KV heads; 32k vocabulary)
+and ``gpt2`` (GPT2LMHeadModel, GPT-2 small: hidden 768, 12 layers). Each is pruned with
+``sparsecc.prune`` (embeddings and the LM head left dense) to a pattern: ``2:4``,
+``block64x64@0.1`` (64x64 blocks, 10% kept) or ``unstructured@0.5``. The ``dense`` impl is the
+pruned model as it is (cuBLAS); ``sparsecc`` is ``sparsecc.compile(model, prompts)``, planned for M
+from 1 (a decode step at batch 1) to batch x prompt length (the prefill).
+
+Modes, the same for both impls:
+
+- ``graphs`` (default): the static cache and ``model.forward = torch.compile(model.forward,
+  mode="reduce-overhead", dynamic=False)``, Hugging Face's recipe for fast generation: prefill and
+  decode each one CUDA-graph replay. Each model keeps one static cache across its calls (its
+  tensors stay in place for the graphs); three untimed calls first (sparsecc.generation.GRAPH_WARMUP).
+- ``eager``: the dynamic cache, no torch.compile (what ``generate`` does by default).
+
+Per case (model, pattern, batch, mode): the prompts are ``--prompt`` random tokens per sequence,
+``--new-tokens`` tokens are generated (exactly: no early stop), and the timed calls of the two
+impls alternate (sparsecc.generation.time_generate_each; medians of ``--repeats``). ``ttft_ms``:
+from the call to the first new token on the host; ``tokens_per_s``: the tokens generated after the
+first (every sequence counted) over the time they took. ``rel_err``: the largest relative error of
+a step's logits against the dense model's, over the steps before the first token on which the two
+differ (``steps_compared``; after it they continue different texts); ``same_tokens``: whether all
+generated tokens agree (fp16 can flip a near-tie). Within a model and batch the dense model is
+compiled once: each pattern's pruned weights are copied into it in place (CUDA graphs read them
+where they are), so only sparsecc's graphs are compiled per pattern.
+
+Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned launches out
+(common.fixed_dispatch), as benchmarks/e2e.py. The default set -- Llama 2:4 and 64x64 blocks at
+10% at batch 1 and 32, GPT-2 2:4 at batch 1, graphs mode -- takes about 5-6 minutes on one H100
+once sparsecc's kernels for these shapes are in the cache (the first run also compiles them).
+
+    python benchmarks/generate.py                                   # the default set
+    python benchmarks/generate.py --models llama-1b --patterns unstructured@0.5 --batches 8 --modes graphs eager
+    python benchmarks/generate.py --build-only                      # compile every case's kernels, time nothing
+    python benchmarks/generate.py --device cpu --tiny --modes eager --force-formats   # a smoke run, tiny configs
+    python benchmarks/generate.py --plot results/generate-<gpu>-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import RESULTS, environment, fixed_dispatch, relative_error, write  # noqa: E402
+
+if __name__ == "__main__":
+    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+
+import sparsecc  # noqa: E402
+from sparsecc.generation import GRAPH_WARMUP, greedy, time_generate_each  # noqa: E402
+from sparsecc.models import load  # noqa: E402
+
+MODELS = {"llama-1b": "llama-1b-causal", "gpt2": "gpt2-causal"}
+PATTERNS = ("2:4", "block64x64@0.1", "unstructured@0.5")
+#: (model, pattern, batch) run when no --models, --patterns or --batches is given
+DEFAULT_CASES = [("llama-1b", "2:4", 1), ("llama-1b", "block64x64@0.1", 1), ("llama-1b", "2:4", 32),
+                 ("llama-1b", "block64x64@0.1", 32), ("gpt2", "2:4", 1)]
+#: ... and the lists an unset one of them takes when another is given
+DEFAULT_LISTS = {"models": ["llama-1b", "gpt2"], "patterns": ["2:4", "block64x64@0.1"], "batches": [1, 32]}
+MODES = {"graphs": "static", "eager": None}          # mode -> generate's cache_implementation
+#: layers sparsecc.prune leaves dense: token and position embeddings, the LM head (tied to them in GPT-2)
+EXCLUDE = ["*embed*", "*lm_head*", "*wte*", "*wpe*"]
+
+
+def build(name: str, *, tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM ``name`` on ``device`` in ``dtype``, eval mode; ``tiny``: a 2-layer model of
+    the same family (hidden 128) for a smoke run."""
+    torch.manual_seed(0)
+    if not tiny:
+        model, _ = load(MODELS[name], device=device)
+        return model.to(dtype).eval()
+    import transformers as hf
+    with torch.device(device):
+        if name == "llama-1b":
+            config = hf.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+            model = hf.LlamaForCausalLM(config)
+        else:
+            model = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
+                                                     bos_token_id=1, eos_token_id=2))
+    return model.to(dtype).eval()
+
+
+def format_of(pattern: str) -> str:
+    """The sparsecc format that stores ``pattern`` exactly (for --force-formats): n:m as is,
+    ``block<h>x<w>@d`` as ``bsr<h>x<w>``, ``unstructured@d`` as ``csr``."""
+    if pattern.startswith("block"):
+        return "bsr" + pattern[len("block"):].split("@")[0]
+    return "csr" if pattern.startswith("unstructured") else pattern.split("/")[0]
+
+
+def cases(args) -> list[tuple[str, str, int]]:
+    """The (model, pattern, batch) cases the arguments ask for (see DEFAULT_CASES, DEFAULT_LISTS)."""
+    if args.models is None and args.patterns is None and args.batches is None:
+        return list(DEFAULT_CASES)
+    return list(itertools.product(args.models or DEFAULT_LISTS["models"], args.patterns or DEFAULT_LISTS["patterns"],
+                                  args.batches or DEFAULT_LISTS["batches"]))
+
+
+def compare_logits(dense, sparse) -> dict:
+    """``rel_err`` and ``steps_compared`` over the steps before the first token the two generations
+    differ on; ``same_tokens`` over all of them (see the module docstring)."""
+    compared, worst = 0, 0.0
+    for step, (want, have) in enumerate(zip(dense.logits, sparse.logits)):
+        worst = max(worst, relative_error(have, want))
+        compared = step + 1
+        if not torch.equal(dense.sequences[:, : dense.sequences.shape[1] - len(dense.logits) + step + 1],
+                           sparse.sequences[:, : sparse.sequences.shape[1] - len(sparse.logits) + step + 1]):
+            break
+    return {"rel_err": worst, "steps_compared": compared, "same_tokens": torch.equal(dense.sequences, sparse.sequences)}
+
+
+def set_recompile_limit(limit: int = 64) -> None:
+    """Every model compiled here shares the code of its class's forward: let Dynamo keep a graph for
+    each model and shape (its default of 8 would silently run the rest eagerly)."""
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
+
+
+def run_group(name: str, batch: int, patterns: list[str], mode: str, args, device, dtype) -> list[dict]:
+    """All patterns of one model, batch and mode: the dense model compiled once, its weights replaced in
+    place by each pattern's, and a sparsecc model compiled per pattern."""
+    torch._dynamo.reset()
+    dense = build(name, tiny=args.tiny, device=device, dtype=dtype)
+    base = copy.deepcopy(dense)                           # the unpruned weights, never compiled
+    prompts = torch.randint(1, dense.config.vocab_size, (batch, args.prompt), device=device,
+                            generator=torch.Generator(device).manual_seed(batch))
+    cache = MODES[mode]
+    if mode == "graphs":
+        dense.forward = torch.compile(dense.forward, mode="reduce-overhead", dynamic=False)
+        dense.generation_config.disable_compile = True    # generate would compile the call around it again
+    rows = []
+    for pattern in patterns:
+        started = time.perf_counter()
+        pruned = copy.deepcopy(base)
+        report = sparsecc.prune(pruned, pattern, exclude=EXCLUDE)
+        with torch.no_grad():
+            dense.load_state_dict(pruned.state_dict())    # in place: the dense graphs read the new weights
+        sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
+        plan = sparse.sparsecc_plan
+        if args.build_only:
+            print(f"{name} {pattern} batch {batch}: compiled ({time.perf_counter() - started:.0f} s)", flush=True)
+            continue
+        if mode == "graphs":
+            sparse.forward = torch.compile(sparse.forward, mode="reduce-overhead", dynamic=False)
+            sparse.generation_config = copy.deepcopy(sparse.generation_config)
+            sparse.generation_config.disable_compile = True
+        warmup = GRAPH_WARMUP if mode == "graphs" else 1
+        timings = time_generate_each({"dense": dense, "sparsecc": sparse}, prompts, new_tokens=args.new_tokens,
+                                     cache=cache, repeats=args.repeats, warmup=warmup)
+        outputs = {impl: greedy(model, prompts, new_tokens=args.new_tokens, cache=cache, output_logits=True,
+                                return_dict_in_generate=True) for impl, model in (("dense", dense), ("sparsecc", sparse))}
+        quality = compare_logits(outputs["dense"], outputs["sparsecc"])
+        choices = {}
+        for site in plan:
+            choices[site.choice] = choices.get(site.choice, 0) + 1
+        for impl, timing in timings.items():
+            row = {"impl": impl, "model": name, "format": "dense" if impl == "dense" else pattern, "pattern": pattern,
+                   "mode": mode, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                   "M": batch * args.prompt, "dtype": str(dtype).replace("torch.", ""),
+                   "density": round(report.density, 4), "block": 64 if pattern.startswith("block64") else None,
+                   "ttft_ms": round(timing.ttft_ms, 3),
+                   "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
+                   "rel_err": None if impl == "dense" else quality["rel_err"],
+                   "steps_compared": None if impl == "dense" else quality["steps_compared"],
+                   "same_tokens": None if impl == "dense" else quality["same_tokens"],
+                   "choices": None if impl == "dense" else choices,
+                   "m_range": None if impl == "dense" else (plan.sites[0].m_range if plan.sites else None),
+                   "weight_bytes": plan.bytes_before if impl == "dense" else plan.bytes_after}
+            rows.append(row)
+        dense_row, sparse_row = rows[-2], rows[-1]
+        print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} first token {dense_row['ttft_ms']:8.2f} -> "
+              f"{sparse_row['ttft_ms']:8.2f} ms   decode {dense_row['tokens_per_s'] or 0:9.1f} -> "
+              f"{sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   rel_err {quality['rel_err']:.2e} over "
+              f"{quality['steps_compared']} steps, same tokens {quality['same_tokens']} "
+              f"({time.perf_counter() - started:.1f} s)", flush=True)
+        sparse = pruned = outputs = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None)
+    parser.add_argument("--patterns", nargs="+", default=None, help=f"pruning patterns, e.g. {' '.join(PATTERNS)}")
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["graphs"])
+    parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per impl, the median kept (default 3)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="2-layer models of each family, for a smoke run")
+    parser.add_argument("--force-formats", action="store_true",
+                        help="run each pattern's format wherever it fits (default: the cost model chooses)")
+    parser.add_argument("--build-only", action="store_true",
+                        help="compile every case's sparsecc model (building its kernels into the cache), time nothing")
+    parser.add_argument("--stem", default="generate", help="the results file's name before the device")
+    parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
+    args = parser.parse_args(argv)
+    if args.plot:
+        result = json.loads(Path(args.plot).read_text())
+        plot(result, Path(args.plot).with_suffix(".png"))
+        return result
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (use --device cpu --tiny for a smoke run)")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    set_recompile_limit()
+    result = environment("generate")
+    result["transformers"] = __import__("transformers").__version__
+    chosen = cases(args)
+    keys = {(m, p, b, mode) for m, p, b in chosen for mode in args.modes}
+    earlier = RESULTS / f"{args.stem}-{result['device'].replace(' ', '_').replace('/', '_')}-{result['date']}.json"
+    if earlier.is_file() and not args.build_only:      # a run of some cases keeps the others' rows of the day
+        result["rows"] = [r for r in json.loads(earlier.read_text())["rows"]
+                          if (r["model"], r["pattern"], r["batch"], r["mode"]) not in keys]
+    path = None
+    for (name, batch), group in itertools.groupby(sorted(chosen, key=lambda c: (c[0], c[2])), key=lambda c: (c[0], c[2])):
+        patterns = list(dict.fromkeys(p for _, p, _ in group))
+        for mode in args.modes[:1] if args.build_only else args.modes:      # building needs one mode
+            result["rows"] += run_group(name, batch, patterns, mode, args, device, dtype)
+            if not args.build_only:
+                path = write(result, stem=args.stem)      # after every group: a time limit loses nothing done
+                plot(result, path.with_suffix(".png"))
+    if path is not None:
+        print("wrote", path)
+    return result
+
+
+def plot(result: dict, path) -> None:
+    """Per case, sparsecc's speedup over dense: time to the first token and decode tokens per second."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pairs = {}
+    for row in result["rows"]:
+        key = (row["model"], row["pattern"], row["batch"], row["mode"])
+        pairs.setdefault(key, {})[row["impl"]] = row
+    labels, first, decode = [], [], []
+    for (model, pattern, batch, mode), rows in pairs.items():
+        if {"dense", "sparsecc"} <= set(rows):
+            dense, sparse = rows["dense"], rows["sparsecc"]
+            labels.append(f"{model} {pattern}\nbatch {batch} {mode}")
+            first.append(dense["ttft_ms"] / sparse["ttft_ms"])
+            decode.append(sparse["tokens_per_s"] / dense["tokens_per_s"]
+                          if sparse["tokens_per_s"] and dense["tokens_per_s"] else 0)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], first, 0.4, label="time to first token")
+    ax.bar([i + 0.2 for i in x], decode, 0.4, label="decode tokens/s")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("sparsecc speedup over dense")
+    ax.set_title(f"generate, {result['device']}, torch {result['torch']}, transformers {result.get('transformers')}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Timing text generation: the time to the first token and the decode rate of ``model.generate``.
+
+A Hugging Face causal LM compiled by sparsecc generates as the model does (``compile`` plans its
+linear layers from one token, M = batch, to the prompts, M = batch x prompt length). Generation
+has two costs a user feels, and one number hides either: the prompt's forward pass (prefill,
+compute-bound) sets the time to the first token, the per-token passes over the cache (decode,
+weight-bandwidth-bound at small batch) set the tokens per second after it. One call of
+``generate`` gives both: a streamer notes when the first new token reaches the host, and the
+decode rate is the tokens generated after it over the time they took. Greedy, with exactly
+``new_tokens`` tokens (no early stop at an end-of-sequence token), so two models are timed on
+the same work. With ``cache="static"`` each model keeps one static cache across the timed calls,
+emptied before each: its tensors stay where they are, so CUDA graphs captured by
+``torch.compile(mode="reduce-overhead")`` replay instead of being captured again for every call (a
+cache made per call, as ``generate(cache_implementation="static")`` does, moves them). The command
+line's ``sparsecc bench --generate``, the sample ``samples/generate.py`` and
+``benchmarks/generate.py`` time generation this way.
+"""
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .errors import InputError
+
+
+#: untimed calls before timing a model whose forward is compiled for CUDA graphs with a static
+#: cache (torch.compile(mode="reduce-overhead"), or generate's own compile of the decode step): the
+#: first compiles with the cache still empty (it is made in the first forward), the second compiles
+#: again with it made and records the decode step, the third records the prompt's step
+GRAPH_WARMUP = 3
+
+
+@dataclass
+class GenerationTiming:
+    """Medians over the timed calls; ``tokens_per_s`` counts every sequence of the batch (None
+    for one new token: no decode step); ``sequences`` are the last call's prompt plus new tokens."""
+
+    ttft_ms: float
+    tokens_per_s: float | None
+    sequences: torch.Tensor
+
+
+class FirstTokenClock:
+    """A ``generate`` streamer (``put`` / ``end``) that notes when the first new token is on the
+    host: ``generate`` puts the prompt first, then each step's tokens after copying them from the
+    device (so the step has finished)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            _synchronize(self.device)
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+           new_tokens: int, cache=None, streamer=None, **kwargs):
+    """``model.generate`` greedily for exactly ``new_tokens`` tokens. ``cache``: None (the dynamic
+    cache), a ``cache_implementation`` such as ``"static"`` (a new cache for the call), or a cache
+    object (e.g. :func:`static_cache`'s), emptied first and filled in place. Extra keyword arguments
+    go to ``generate`` (``output_logits=True, return_dict_in_generate=True`` for the logits)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if cache is None or isinstance(cache, str):
+        kwargs["cache_implementation"] = cache
+    else:
+        cache.reset()
+        kwargs[_cache_argument(model)] = cache
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.generation_config, "eos_token_id", None)
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    with torch.no_grad():
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, streamer=streamer,
+                              pad_token_id=pad if pad is not None else 0, **kwargs)
+
+
+def static_cache(model: nn.Module, max_cache_len: int):
+    """A Hugging Face static cache for ``model`` holding up to ``max_cache_len`` tokens per sequence,
+    to pass to :func:`greedy` call after call (its tensors are made on the first call)."""
+    from transformers import StaticCache         # optional: only causal LMs generate
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def time_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  new_tokens: int, cache=None, repeats: int = 3, warmup: int = 1) -> GenerationTiming:
+    """Time greedy generation of ``new_tokens`` tokens after the prompts ``input_ids``: ``warmup``
+    untimed calls (:data:`GRAPH_WARMUP` for CUDA graphs), then the medians of ``repeats`` timed ones."""
+    return time_generate_each({"model": model}, input_ids, attention_mask, new_tokens=new_tokens, cache=cache,
+                              repeats=repeats, warmup=warmup)["model"]
+
+
+def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache=None,
+                       repeats: int = 3, warmup: int = 1) -> dict[str, GenerationTiming]:
+    """:func:`time_generate` for several models (by name) on the same prompts, their timed calls
+    interleaved round by round, so a burst of other work on the machine falls on all alike."""
+    if new_tokens < 1 or repeats < 1 or warmup < 0:
+        raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
+                         f"{new_tokens}, {repeats}, {warmup}")
+    if cache == "static":       # one per model, kept across the calls (see the module docstring)
+        caches = {name: static_cache(model, input_ids.shape[1] + new_tokens) for name, model in models.items()}
+    else:
+        caches = {name: cache for name in models}
+    for name, model in models.items():
+        for _ in range(warmup):
+            greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=caches[name])
+    ttfts: dict[str, list[float]] = {name: [] for name in models}
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    last = {}
+    for _ in range(repeats):
+        for name, model in models.items():
+            ttft, rate, last[name] = _timed_call(model, input_ids, attention_mask, new_tokens, caches[name])
+            ttfts[name].append(ttft)
+            if rate is not None:
+                rates[name].append(rate)
+    return {name: GenerationTiming(statistics.median(ttfts[name]),
+                                   statistics.median(rates[name]) if rates[name] else None, last[name])
+            for name in models}
+
+
+def _timed_call(model, input_ids, attention_mask, new_tokens, cache):
+    """One generation: (ms to the first token, decode tokens per second or None, the sequences)."""
+    device = input_ids.device
+    clock = FirstTokenClock(device)
+    _synchronize(device)
+    start = time.perf_counter()
+    sequences = greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
+    _synchronize(device)
+    end = time.perf_counter()
+    first = clock.first_token_at if clock.first_token_at is not None else end
+    rate = input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9) if new_tokens > 1 else None
+    return (first - start) * 1e3, rate, sequences
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The name ``generate`` takes a cache object by: ``cache`` in recent transformers (5.2x),
+    ``past_key_values`` before (as the model's forward names it)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,65 @@
+"""benchmarks/generate.py on the CPU: the cases its arguments select, the logits comparison, and
+a smoke run on tiny models of both families with each pattern forced onto its format: a dense
+and a sparsecc row per case, sparsecc's on sparse formats and planned from one token to the
+prompts, the same tokens and logits within fp32 tolerance, a results file and its plot."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+_spec = importlib.util.spec_from_file_location("benchmark_generate", BENCHMARKS / "generate.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+import common  # noqa: E402
+
+#: relative error of the logits against the dense model's, fp32 (sparse products sum in another order)
+TOLERANCE = 1e-5
+
+
+def test_the_default_set_and_products_of_the_lists():
+    none = SimpleNamespace(models=None, patterns=None, batches=None)
+    assert bench.cases(none) == bench.DEFAULT_CASES
+    assert ("llama-1b", "2:4", 32) in bench.DEFAULT_CASES and ("gpt2", "2:4", 1) in bench.DEFAULT_CASES
+    some = SimpleNamespace(models=["gpt2"], patterns=None, batches=[8])
+    assert bench.cases(some) == [("gpt2", "2:4", 8), ("gpt2", "block64x64@0.1", 8)]
+    assert [bench.format_of(p) for p in ("2:4", "block64x64@0.1", "unstructured@0.5")] == ["2:4", "bsr64x64", "csr"]
+
+
+def test_logits_are_compared_until_the_texts_part():
+    prompt = torch.tensor([[5, 6], [7, 8]])
+    dense_tokens, sparse_tokens = torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 2, 3], [1, 4, 3]])
+    logits = [torch.ones(2, 10) for _ in range(3)]
+    shifted = [logits[0], logits[1] * 1.5, logits[2] * 9]        # step 1 differs, step 2 follows other texts
+    dense = SimpleNamespace(sequences=torch.cat([prompt, dense_tokens], 1), logits=logits)
+    sparse = SimpleNamespace(sequences=torch.cat([prompt, sparse_tokens], 1), logits=shifted)
+    assert bench.compare_logits(dense, sparse) == {"rel_err": 0.5, "steps_compared": 2, "same_tokens": False}
+    same = bench.compare_logits(dense, SimpleNamespace(sequences=dense.sequences, logits=logits))
+    assert same == {"rel_err": 0.0, "steps_compared": 3, "same_tokens": True}
+
+
+def test_a_tiny_run_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    result = bench.main(["--device", "cpu", "--tiny", "--modes", "eager", "--force-formats", "--batches", "2",
+                         "--patterns", "2:4", "block64x64@0.1", "unstructured@0.5", "--prompt", "12",
+                         "--new-tokens", "5", "--repeats", "1"])
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 3                       # two models, three patterns, dense and sparsecc
+    for dense, sparse in zip(rows[::2], rows[1::2]):
+        assert (dense["impl"], sparse["impl"]) == ("dense", "sparsecc")
+        assert dense["pattern"] == sparse["pattern"] and dense["model"] == sparse["model"]
+        assert bench.format_of(sparse["pattern"]) in sparse["choices"]
+        assert sparse["m_range"] == [1, 2 * 12] and sparse["M"] == 24
+        assert sparse["same_tokens"] is True and sparse["steps_compared"] == 5
+        assert sparse["rel_err"] <= TOLERANCE
+        assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in (dense, sparse))
+        if sparse["pattern"] != "unstructured@0.5":         # CSR's indices outweigh half the values
+            assert sparse["weight_bytes"] < dense["weight_bytes"]
+    [written] = tmp_path.glob("generate-*.json")
+    assert json.loads(written.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert written.with_suffix(".png").is_file()

@@ -1,0 +1,73 @@
+"""sparsecc.generation: greedy generation of exactly the tokens asked for, the first-token clock,
+and the timing's numbers (positive, a decode rate only where there are decode steps)."""
+import pytest
+import torch
+
+from sparsecc.errors import InputError
+from sparsecc.generation import FirstTokenClock, greedy, static_cache, time_generate, time_generate_each
+
+from models import llama_lm
+
+
+def test_greedy_makes_exactly_the_new_tokens_even_past_the_end_token():
+    torch.manual_seed(0)
+    model = llama_lm()
+    ids = torch.randint(3, 256, (2, 5))
+    free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          pad_token_id=0)
+    # make the first generated token of row 0 the end-of-sequence token: a free run stops there
+    model.generation_config.eos_token_id = int(free[0, 5])
+    out = greedy(model, ids, new_tokens=8)
+    assert out.shape == (2, 13) and torch.equal(out[:, :5], ids)
+    assert int(out[0, 5]) != model.generation_config.eos_token_id       # suppressed until 8 tokens are made
+
+
+def test_the_clock_stops_at_the_first_new_token():
+    clock = FirstTokenClock(torch.device("cpu"))
+    clock.put(torch.zeros(1, 5))                  # the prompt
+    assert clock.first_token_at is None
+    clock.put(torch.zeros(1))
+    first = clock.first_token_at
+    clock.put(torch.zeros(1))
+    assert first is not None and clock.first_token_at == first
+
+
+def test_time_generate_reports_the_first_token_and_the_decode_rate():
+    torch.manual_seed(0)
+    model = llama_lm()
+    ids = torch.randint(3, 256, (3, 6))
+    timing = time_generate(model, ids, new_tokens=4, repeats=2, warmup=0)
+    assert timing.ttft_ms > 0 and timing.tokens_per_s > 0 and timing.sequences.shape == (3, 10)
+    assert torch.equal(timing.sequences, greedy(model, ids, new_tokens=4))
+    one = time_generate(model, ids, new_tokens=1, repeats=1, cache="static")
+    assert one.ttft_ms > 0 and one.tokens_per_s is None and one.sequences.shape == (3, 7)
+    with pytest.raises(InputError, match="new_tokens >= 1"):
+        time_generate(model, ids, new_tokens=0)
+
+
+def test_several_models_are_timed_in_turn():
+    torch.manual_seed(0)
+    first, second = llama_lm(), llama_lm()
+    ids = torch.randint(3, 256, (2, 4))
+    order = []
+    first.register_forward_pre_hook(lambda *_: order.append("first"))
+    second.register_forward_pre_hook(lambda *_: order.append("second"))
+    timings = time_generate_each({"first": first, "second": second}, ids, new_tokens=1, repeats=2, warmup=0)
+    assert list(timings) == ["first", "second"] and order == ["first", "second"] * 2
+    assert torch.equal(timings["first"].sequences, greedy(first, ids, new_tokens=1))
+
+
+def test_a_static_cache_kept_across_calls_stays_in_place_and_generates_alike():
+    """CUDA graphs need the cache's tensors where they were: one static cache, emptied before each
+    call, gives each call the tokens of a fresh one, for other prompts too."""
+    torch.manual_seed(0)
+    model = llama_lm()
+    ids = torch.randint(3, 256, (2, 6))
+    cache = static_cache(model, 6 + 4)
+    first = greedy(model, ids, new_tokens=4, cache=cache)
+    where = [layer.keys.data_ptr() for layer in cache.layers]
+    assert torch.equal(first, greedy(model, ids, new_tokens=4, cache="static"))
+    assert torch.equal(greedy(model, ids, new_tokens=4, cache=cache), first)
+    other = torch.randint(3, 256, (2, 6))
+    assert torch.equal(greedy(model, other, new_tokens=4, cache=cache), greedy(model, other, new_tokens=4))
+    assert [layer.keys.data_ptr() for layer in cache.layers] == where

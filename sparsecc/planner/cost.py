@@ -101,9 +101,9 @@ CLOSE_CALL = (0.7, 1.25)
 CLOSE_CALL_RETIMES = 2
 
 #: op by op on the GPU, the host time a call of a sparse site's op is taken to cost beyond
-#: dense's where it is predicted, not timed (a CUTLASS GEMM's arguments, tensor-map
-#: descriptors and two launches: 40-50 us on an H200 machine; the small-batch kernels less)
-PREDICTED_EXTRA_HOST_US = 40.0
+#: dense's where it is predicted, not timed: a 2:4 GEMM call (its CUTLASS arguments, tensor-map
+#: descriptors and two launches) takes 24.5 us to issue on an H100 machine, torch's mm 12-13 us
+PREDICTED_EXTRA_HOST_US = 15.0
 
 #: numbers used where no calibration exists at all (rough H100 and laptop-CPU rates)
 _FALLBACK_FITS = {

@@ -6,6 +6,14 @@ and rewrites the sparse sites exactly as ``sparsecc.compile`` does, and hands th
 graph to Inductor (or runs it as is, ``inductor=False``). A graph break or an op sparsecc does
 not know only means fewer sites: everything else runs as Inductor would run it.
 
+Each site is chosen by timing it alone; what Inductor does around the layers (its fusions,
+its layouts, the host's pace op by op) is not in those timings. So where the graph can be run
+again safely (real example inputs, no in-place op on them), the rewritten graph is timed against
+the dense one Inductor would run, on the example inputs, and kept only if it is faster by
+:data:`GRAPH_MARGIN`; otherwise the dense graph runs and each site's reason in the plan says why.
+This costs one more Inductor compile per graph; it is on by default on the GPU
+(``make_backend(check_graph=...)``).
+
 Packed weights are derived from the parameters they came from, so each call checks, per
 packed weight, that its parameter is the same tensor with the same version counter: a weight
 modified in place (an optimizer step, ``copy_``) or replaced makes the graph be planned,
@@ -18,7 +26,10 @@ Registered as ``sparsecc`` through the ``torch_dynamo_backends`` entry point (so
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +46,11 @@ from .planner.cost import CostModel
 from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
+
+#: the rewritten graph is kept only if it runs in at most this fraction of the dense graph's time
+GRAPH_MARGIN = 0.98
+#: the two graphs are timed in this many interleaved rounds of this many calls each (median kept)
+GRAPH_ROUNDS, GRAPH_CALLS = 5, 5
 
 
 @dataclass
@@ -55,6 +71,7 @@ class SparseGraph:
     inductor: bool
     config_patches: dict
     cost_model: CostModel | None
+    check_graph: bool = False
     plan: Plan | None = None
     rebuilds: int = 0
     _fn: object = None
@@ -88,6 +105,21 @@ class SparseGraph:
         if self.inductor:
             from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
             self._fn = compile_fx(gm, list(inputs), config_patches=dict(self.config_patches))
+            packed = any(d is not None for d in decisions.values())
+            if self.check_graph and packed and _can_run_again(self.original, inputs):
+                try:
+                    dense = compile_fx(_copy_of_dynamo_graph(self.original), list(inputs),
+                                       config_patches=dict(self.config_patches))
+                    sparse_us, dense_us = _race(self._fn, dense, inputs)
+                except Exception as error:  # noqa: BLE001 - the check only refines the choice
+                    log.warning("sparsecc: the rewritten graph was not timed against the dense one (%s); it runs "
+                                "as planned", str(error).splitlines()[0] if str(error) else type(error).__name__)
+                    return
+                if sparse_us > GRAPH_MARGIN * dense_us:
+                    log.info("the graph with sparse layers ran %.0f us, the dense one %.0f us: dense kept",
+                             sparse_us, dense_us)
+                    self._fn, self._watched = dense, []
+                    self.plan = _all_dense(self.plan, sparse_us, dense_us)
         else:
             self._fn = gm.forward
 
@@ -100,6 +132,55 @@ class SparseGraph:
                 self.build(list(args))
                 break
         return self._fn(*args)
+
+
+def _can_run_again(gm: fx.GraphModule, inputs: list) -> bool:
+    """Whether the graph may be called a few more times on its example inputs to time it: they
+    are real tensors and numbers, and no op of the graph writes in place (a cache update, a
+    counter), so extra calls change nothing."""
+    if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in inputs):
+        return False
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in inputs):
+        return False
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op in ("call_method", "call_function") and isinstance(name, str) and (
+                name.endswith("_") and not name.endswith("__") or name == "setitem" or "out" in node.kwargs):
+            return False
+    return True
+
+
+def _race(first, second, inputs: list) -> tuple[float, float]:
+    """Microseconds per call of ``first(*inputs)`` and ``second(*inputs)``: the median of
+    :data:`GRAPH_ROUNDS` interleaved rounds, each the wall time of :data:`GRAPH_CALLS` calls and
+    the wait for the device (what a caller sees, whether the host or the GPU sets the pace)."""
+    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in inputs)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times: list[list[float]] = [[], []]
+    with torch.no_grad():
+        for fn in (first, second):
+            for _ in range(3):               # warm-up; CUDA graphs record on the first calls
+                fn(*inputs)
+        for _ in range(GRAPH_ROUNDS):
+            for fn, found in zip((first, second), times):
+                sync()
+                start = time.perf_counter()
+                for _ in range(GRAPH_CALLS):
+                    fn(*inputs)
+                sync()
+                found.append((time.perf_counter() - start) * 1e6 / GRAPH_CALLS)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _all_dense(plan: Plan, sparse_us: float, dense_us: float) -> Plan:
+    """``plan`` with every site dense, each reason saying the whole graph was timed slower sparse."""
+    why = (f"dense: this graph with its sparse layers ran {sparse_us:.0f} us per call on the example inputs, "
+           f"the dense one {dense_us:.0f} us (a rewritten graph must be {1 - GRAPH_MARGIN:.0%} faster); ")
+    sites = [site if site.choice == "dense" else
+             dataclasses.replace(site, choice="dense", reason=why + "the layer alone: " + site.reason,
+                                 bytes_after=site.bytes_before)
+             for site in plan.sites]
+    return dataclasses.replace(plan, sites=sites)
 
 
 def _copy_of_dynamo_graph(original: fx.GraphModule) -> fx.GraphModule:
@@ -145,7 +226,7 @@ COMPILED: list[SparseGraph] = []
 
 
 def make_backend(*, formats=None, inductor: bool = True, mode: str | None = None, options: dict | None = None,
-                 cost_model: CostModel | None = None, kernels=None):
+                 cost_model: CostModel | None = None, kernels=None, check_graph: bool | None = None):
     """A Dynamo backend with options: ``formats`` restricts the candidates and ``kernels``
     names a generated kernel directory, as in ``sparsecc.compile``; ``inductor=False`` runs
     the rewritten graph without Inductor. ``mode`` and ``options`` are Inductor's, as
@@ -153,7 +234,9 @@ def make_backend(*, formats=None, inductor: bool = True, mode: str | None = None
     options=...)`` passes them here too): ``mode="reduce-overhead"`` replays each graph from CUDA
     graphs, with the parameters and packed weights kept in place (only the activations are
     copied in per replay); ``options={"cpp_wrapper": True}`` has Inductor write the code that
-    calls the graph's kernels in C++."""
+    calls the graph's kernels in C++. ``check_graph``: time the rewritten graph against the dense
+    one and keep the faster (module docstring; None: on the GPU, unless ``formats`` names only
+    sparse formats)."""
     if kernels is not None:
         use_kernels(kernels)
     allowed = None if formats is None else [FormatSpec.parse(f) for f in ((formats,) if isinstance(formats, str) else formats)]
@@ -161,7 +244,10 @@ def make_backend(*, formats=None, inductor: bool = True, mode: str | None = None
 
     def backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         patches = {**defaults, **_inductor_options(mode, options)}
-        graph = SparseGraph(gm, allowed, inductor, patches, cost_model)
+        on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs)
+        forced = allowed is not None and not any(f.kind == "dense" for f in allowed)   # the user's explicit choice
+        graph = SparseGraph(gm, allowed, inductor, patches, cost_model,
+                            check_graph=(on_gpu and not forced) if check_graph is None else check_graph)
         graph.build(list(example_inputs))
         COMPILED.append(graph)
         return graph

@@ -180,3 +180,85 @@ def test_inductor_keeps_parameters_and_packed_weights_as_constant_inputs(monkeyp
         assert_rel_close(compiled(x), model(x), torch.float32)
     (inputs, static), = found
     assert len(static) == inputs - 1
+
+
+def _pruned_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    sparsecc.prune(model, "2:4")
+    return model
+
+
+@pytest.mark.parametrize("sparse_faster", [True, False])
+def test_the_rewritten_graph_runs_only_if_faster_than_the_dense_one(monkeypatch, sparse_faster):
+    """With check_graph, the rewritten graph is raced against Inductor's dense one on the example
+    inputs; slower, the dense graph runs and every site's reason says why."""
+    import sparsecc.backend as backend
+    raced = []
+
+    def race(first, second, inputs):
+        raced.append((first, second))
+        return (50.0, 100.0) if sparse_faster else (100.0, 101.0)
+
+    monkeypatch.setattr(backend, "_race", race)
+    model = _pruned_mlp()
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    graph = COMPILED[-1]
+    assert len(raced) == 1
+    if sparse_faster:
+        assert set(graph.plan.choices().values()) == {"2:4"} and graph._watched
+    else:
+        assert set(graph.plan.choices().values()) == {"dense"} and not graph._watched
+        assert all("ran 100 us per call on the example inputs, the dense one 101 us" in s.reason for s in graph.plan)
+        assert all(s.bytes_after == s.bytes_before for s in graph.plan)
+
+
+def test_a_graph_that_writes_in_place_is_not_run_again(monkeypatch):
+    """Extra calls of a graph that updates a buffer in place would change the model's state: such
+    a graph is not raced, and the plan's choice stands."""
+    import sparsecc.backend as backend
+    monkeypatch.setattr(backend, "_race", lambda *a: pytest.fail("raced a graph that writes in place"))
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _pruned_mlp()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return self.body(x)
+
+    model = Counting()
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)
+    assert model.calls.item() == 1
+    assert "2:4" in COMPILED[-1].plan.choices().values()
+
+
+def test_racing_two_graphs_times_both():
+    from sparsecc.backend import _race
+    slow, fast = nn.Linear(512, 512), nn.Linear(8, 8)
+    times = _race(lambda x: slow(x.repeat(1, 64)), lambda x: fast(x), [torch.randn(64, 8)])
+    assert all(t > 0 for t in times) and times[0] > times[1]
+
+
+def test_a_check_that_fails_leaves_the_planned_graph(monkeypatch, caplog):
+    import sparsecc.backend as backend
+
+    def broken(*args):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(backend, "_race", broken)
+    model = _pruned_mlp()
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    assert set(COMPILED[-1].plan.choices().values()) == {"2:4"}
+    assert "was not timed against the dense one (no timer here)" in caplog.text

@@ -31,15 +31,18 @@ def source() -> str:
 
 
 def compile_command(nvcc: str, source_path: Path, output: Path) -> list[str]:
-    """Host C++ compiled by nvcc's driver (which knows the CUDA headers), against torch."""
+    """Host C++ compiled by nvcc's driver (which knows the CUDA headers) against torch, with the
+    include and library directories ``torch.utils.cpp_extension`` gives extensions. The build
+    itself goes through sparsecc's kernel cache rather than ``cpp_extension.load``, so the
+    launcher is keyed, locked, checked and published like every kernel."""
     import torch.utils.cpp_extension as cpp_extension   # imported when building only: it needs setuptools
-    torch_lib = Path(torch.__file__).parent / "lib"
     includes = [flag for path in cpp_extension.include_paths() for flag in ("-I", path)]
+    libraries = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [nvcc, "-x", "c++", "-std=c++20", "-O2", "-DNDEBUG", "-shared", "-Xcompiler=-fPIC",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(source_path), "-o", str(output),
-            "-L", str(torch_lib), "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch_cuda",
-            f"-Xlinker=-rpath={torch_lib}"]
+            *(flag for path in libraries for flag in ("-L", path)), "-lc10", "-lc10_cuda", "-ltorch_cpu",
+            "-ltorch_cuda", *(f"-Xlinker=-rpath={path}" for path in libraries)]
 
 
 def torch_build() -> dict:

@@ -27,3 +27,15 @@ def test_launcher_source_compiles(tmp_path):
     done = subprocess.run(command + ["-I", str(tmp_path / "stub")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert Path(tmp_path / "launcher.o").stat().st_size > 10_000
+
+
+def test_launcher_links_where_torch_tells_extensions_to(tmp_path):
+    """Include and library directories come from torch.utils.cpp_extension, and the launcher
+    finds torch's libraries at run time through an rpath to the same directories."""
+    import torch.utils.cpp_extension as cpp_extension
+    command = launcher.compile_command("nvcc", tmp_path / "launcher.cpp", tmp_path / "launcher.so")
+    for path in cpp_extension.include_paths():
+        assert path in command
+    for path in cpp_extension.library_paths():
+        assert command[command.index(path) - 1] == "-L"
+        assert f"-Xlinker=-rpath={path}" in command

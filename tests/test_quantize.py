@@ -190,3 +190,13 @@ def test_bad_input_is_refused_with_a_clear_error():
         sparsecc.quantize(quantized, "fp8")
     with pytest.raises(sparsecc.InputError, match="model itself is a linear layer"):
         sparsecc.quantize(nn.Linear(8, 8), "fp8")
+
+
+def test_a_plan_cannot_run_an_fp8_site_in_a_format_without_an_fp8_op():
+    model = pruned_mlp(seed=7)
+    sparsecc.quantize(model, "fp8")
+    x = torch.randn(4, 64)
+    plan = sparsecc.plan(model, x)
+    plan["0.weight"].choice = "csr"
+    with pytest.raises(sparsecc.PlanError, match="FP8 site 0.weight as csr"):
+        sparsecc.compile(model, x, plan=plan)

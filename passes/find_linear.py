@@ -11,7 +11,9 @@ declares constant) and ``P`` a stored ``[K, N]`` matrix:
 - ``nn.Linear`` modules, ``F.linear(x, W, b)`` (torch and ATen);
 - ``addmm(b, x, W.t())`` and ``addmm(b, x, P)`` (e.g. GPT-2's Conv1D);
 - ``x @ W.t()``, ``x @ P``, ``matmul``/``mm`` (function or method), any transpose spelling;
-- ``W @ x``: the weight on the left; its input is ``[..., K, M]``, its output ``[..., N, M]``.
+- ``W @ x``: the weight on the left; its input is ``[..., K, M]``, its output ``[..., N, M]``;
+- ``fp8_linear(x, W, weight_scale, input_scale, b)`` (sparsecc.quantize's layers): a quantized
+  site, its scales constants too (``input_scale`` may be None: per token).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch.nn as nn
 from sparsecc.ir.site import SITE_KEY, LinearSite
 
 from . import PassResult
-from .patterns import ADDMM, LINEAR, MATMUL, MATMUL_METHODS, Constants, arg, fetch_attr, is_call
+from .patterns import ADDMM, FP8_LINEAR, LINEAR, MATMUL, MATMUL_METHODS, Constants, arg, fetch_attr, is_call
 
 
 def run(gm: fx.GraphModule, *, prefix: str = "",
@@ -65,6 +67,8 @@ def _match(node: fx.Node, gm: fx.GraphModule, constants: Constants) -> LinearSit
             return None                       # a computed bias: leave the node alone
         return _site(node, x, weight[0], weight[1], arg(node, 1, "weight"), False,
                      bias, arg(node, 2, "bias"))
+    if is_call(node, FP8_LINEAR):
+        return _fp8_site(node, constants)
     if is_call(node, ADDMM):
         if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
             return None
@@ -85,6 +89,22 @@ def _match(node: fx.Node, gm: fx.GraphModule, constants: Constants) -> LinearSit
                 site.x_transposed = site.transpose_out = True
             return site
     return None
+
+
+def _fp8_site(node: fx.Node, constants: Constants) -> LinearSite | None:
+    """A call of fp8_linear whose weight, scales and bias are constants."""
+    x, weight_node = arg(node, 0, "x"), arg(node, 1, "weight")
+    scale_node, input_scale_node, bias_node = arg(node, 2, "weight_scale"), arg(node, 3, "input_scale"), arg(node, 4, "bias")
+    weight, bias = constants.tensor(weight_node), constants.tensor(bias_node)
+    if weight is None or constants.tensor(scale_node) is None or not isinstance(x, fx.Node):
+        return None
+    if (input_scale_node is not None and constants.tensor(input_scale_node) is None) or \
+            (bias_node is not None and bias is None):
+        return None                           # computed scales or bias: leave the node alone
+    site = _site(node, x, weight[0], weight[1], weight_node, False, bias, bias_node)
+    if site is not None:
+        site.quantized, site.weight_scale_node, site.input_scale_node = True, scale_node, input_scale_node
+    return site
 
 
 def _site(node, x, weight_name, weight, weight_node, weight_transposed, bias, bias_node) -> LinearSite | None:

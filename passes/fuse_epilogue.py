@@ -1,7 +1,8 @@
 """Absorb elementwise consumers of each linear site into its epilogue.
 
 Requires: find_linear has marked sites (``node.meta[SITE_KEY]``).
-Ensures: each site is one ``sparsecc::linear_dense`` node computing the product and
+Ensures: each site is one ``sparsecc::linear_dense`` node (``sparsecc::linear_fp8`` for a
+quantized site, which also takes the scales) computing the product and
 everything it absorbed, carrying the site in its meta; the absorbed nodes are erased. The
 graph computes what it computed before (the op runs torch's own dense kernels until
 splice picks a format), so it can be run and compared after this pass.
@@ -26,6 +27,7 @@ from .patterns import (ADD, ADD_METHODS, Constants, activation_of, arg, is_call,
                        rank, swaps_last_two_dims)
 
 LINEAR_DENSE = torch.ops.sparsecc.linear_dense.default
+LINEAR_FP8 = torch.ops.sparsecc.linear_fp8.default
 
 
 def run(gm: fx.GraphModule, *, placeholders: dict[str, tuple[str, torch.Tensor]] | None = None) -> PassResult:
@@ -96,10 +98,13 @@ def _rewrite(gm: fx.GraphModule, site: LinearSite, absorbed: list[fx.Node]) -> f
             bias = graph.get_attr(site.bias_name)
         if bias is not None and constants_shape(gm, site) != (site.out_features,):
             bias = graph.call_function(torch.flatten, (bias,))
-        fused = graph.create_node("call_function", LINEAR_DENSE,
-                                  (site.x, weight, bias, site.activation.value, site.x_transposed,
+        scales = (site.weight_scale_node, site.input_scale_node) if site.quantized else ()
+        fused = graph.create_node("call_function", LINEAR_FP8 if site.quantized else LINEAR_DENSE,
+                                  (site.x, weight, *scales, bias, site.activation.value, site.x_transposed,
                                    site.transpose_out), name="sparsecc_" + last.name)
-    fused.meta = {k: v for k, v in last.meta.items() if k != SITE_KEY}
+    # "is_wrapped" (an fx.wrap'ed call such as fp8_linear) would make the code fx generates
+    # register the new target as a wrapped global name, which breaks every later trace
+    fused.meta = {k: v for k, v in last.meta.items() if k not in (SITE_KEY, "is_wrapped")}
     fused.meta[SITE_KEY] = site
     last.replace_all_uses_with(fused)
     erased = [site.anchor] + absorbed

@@ -13,10 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsecc.ir.epilogue import Activation
+from sparsecc.ir.quant import fp8_linear
 
 aten = torch.ops.aten
 
 LINEAR = {F.linear, torch._C._nn.linear, aten.linear.default}
+FP8_LINEAR = {fp8_linear}
 ADDMM = {torch.addmm, aten.addmm.default}
 MATMUL = {operator.matmul, torch.matmul, torch.mm, aten.mm.default, aten.matmul.default}
 MATMUL_METHODS = {"matmul", "mm", "__matmul__"}

@@ -6,9 +6,10 @@ Requires: fuse_epilogue ran (each site is one ``sparsecc::linear_dense`` node ca
 Ensures: a packed site is one call of its format's custom op, its packed tensors
 registered as buffers of the submodule ``sparsecc_packed`` and read with ``get_attr``; a
 dense site is plain torch ops (:func:`sparsecc.ops.linear_torch`), which Inductor fuses
-and eager runs without dispatch overhead; weights and modules nothing reads any more are
-dropped from the graph module (modules it shares with the original model are never
-modified: see :func:`_drop_unused`).
+and eager runs without dispatch overhead; a quantized site that stays dense keeps the
+``sparsecc::linear_fp8`` node fuse_epilogue made, and a packed one calls its format's FP8 op
+with the same scales; weights and modules nothing reads any more are dropped from the graph
+module (modules it shares with the original model are never modified: see :func:`_drop_unused`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from sparsecc.ir.formats import PackedWeight
-from sparsecc.runtime.torch_ops import OP_FOR_KIND, linear_torch
+from sparsecc.runtime.torch_ops import OP_FOR_FP8, OP_FOR_KIND, linear_torch
 from sparsecc.ir.site import SITE_KEY
 
 from . import PassResult
@@ -37,9 +38,10 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassRe
             continue
         packed = decisions[site.name]
         if packed is None:
-            node.target = linear_torch
+            if not site.quantized:
+                node.target = linear_torch
         else:
-            _call_packed_op(gm, node, site.name, packed)
+            _call_packed_op(gm, node, site.name, packed, site.quantized)
         sites.append(site)
     _drop_unused(gm)
     gm.graph.lint()
@@ -47,19 +49,22 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassRe
     return PassResult(gm, changed=bool(sites), sites=sites)
 
 
-def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: PackedWeight) -> None:
+def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: PackedWeight, quantized: bool) -> None:
     if not hasattr(gm, PACKED_MODULE):
         gm.add_module(PACKED_MODULE, nn.Module())
     holder = getattr(gm, PACKED_MODULE)
     prefix = re.sub(r"[^0-9A-Za-z_]", "_", name)
-    x, weight, bias, activation, x_transposed, transpose_out = node.args
+    x, weight, *scales, bias, activation, x_transposed, transpose_out = node.args
     with gm.graph.inserting_before(node):
         tensors = []
         for field, tensor in packed.tensors().items():
             holder.register_buffer(f"{prefix}__{field}", tensor)
             tensors.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
-    node.target = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
-    node.args = (x, *tensors, *packed.scalars().values(), bias, activation, x_transposed, transpose_out,
+    if quantized:
+        node.target = OP_FOR_FP8[packed.spec.kind]
+    else:
+        node.target = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+    node.args = (x, *tensors, *scales, *packed.scalars().values(), bias, activation, x_transposed, transpose_out,
                  *getattr(packed, "extra_args", ()))
     erase_dead_inputs(gm.graph, [weight])
 

@@ -3,6 +3,7 @@
     model = sparsecc.compile(model, example_inputs)     # eager module in, module out
     plan = sparsecc.plan(model, example_inputs)         # what compile would do, and why
     sparsecc.prune(model, "2:4")                        # make a model sparse first (lossy)
+    sparsecc.quantize(model, "fp8")                     # FP8 weights and inputs (lossy)
 
 ``torch.compile(model, backend="sparsecc")`` finds the backend through the package's entry point.
 """
@@ -14,6 +15,7 @@ from .ir.formats import FormatSpec, pack
 from .ir.plan import Plan
 from .planner.cost import CostModel
 from .pruning import prune
+from .quantization import quantize
 
-__all__ = ["compile", "plan", "prune", "Plan", "CostModel", "FormatSpec", "pack", "SparseccError", "InputError",
+__all__ = ["compile", "plan", "prune", "quantize", "Plan", "CostModel", "FormatSpec", "pack", "SparseccError", "InputError",
            "TraceError", "FormatError", "PatternError", "PlanError", "KernelBuildError", "__version__"]

@@ -25,7 +25,7 @@ from .ir.plan import Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
-from .planner.cost import DEFAULT_M, CostModel, check_m_range
+from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
 from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
@@ -235,6 +235,9 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
         if not stats[site.name].fits(choice):
             raise PlanError(f"the plan runs {site.name} as {choice}, but its weight does not fit {choice} "
                             "exactly (was it changed since the plan was made?)")
+        if site.quantized and choice.kind not in QUANTIZED_KINDS:
+            raise PlanError(f"the plan runs the FP8 site {site.name} as {choice}: an FP8 site runs as "
+                            f"{' or '.join(QUANTIZED_KINDS)} only")
         replayed.append(_site_plan(site, stats[site.name], choice, f"replayed from a plan: {entry.reason}",
                                    entry.candidates, entry.buckets, entry.m_range))
     return Plan(replayed, device=str(target), untraced=untraced)

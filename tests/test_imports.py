@@ -13,7 +13,7 @@ SOURCES = {"sparsecc": ROOT / "sparsecc", "sparsecc.passes": ROOT / "passes"}
 LAZY = {"torch._inductor.compile_fx", "torch._inductor", "torch._dynamo.backends.registry", "torch._dynamo.source", "torch.utils.cpp_extension",
         "transformers", "cutlass_library"}
 #: the layers, lowest first: a module may import its own layer and those below
-LAYERS = [("sparsecc._version", "sparsecc.errors", "sparsecc.config"), ("sparsecc.ir",), ("sparsecc.pruning",),
+LAYERS = [("sparsecc._version", "sparsecc.errors", "sparsecc.config"), ("sparsecc.ir",), ("sparsecc.pruning", "sparsecc.quantization"),
           ("sparsecc.codegen",), ("sparsecc.runtime",), ("sparsecc.passes", "sparsecc.frontend"),
           ("sparsecc.kernels",), ("sparsecc.planner",),
           ("sparsecc.compiler", "sparsecc.backend", "sparsecc.models", "sparsecc.cli", "sparsecc")]

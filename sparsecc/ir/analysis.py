@@ -60,9 +60,12 @@ def analyze(weight: torch.Tensor, *, extra_group_sizes: tuple[int, ...] = (),
             extra_blocks: tuple[tuple[int, int], ...] = ()) -> WeightStats:
     """Measure ``weight`` ([N, K]). Extra group sizes and blocks come from user formats."""
     weight = weight.detach()
+    dtype_name = str(weight.dtype).replace("torch.", "")
+    if weight.is_floating_point() and weight.element_size() == 1:
+        weight = weight.to(torch.float16)     # FP8 widens exactly; torch's CPU reductions take no float8
     nonzero = weight != 0
     rows, cols = weight.shape
-    stats = WeightStats(shape=(rows, cols), dtype=str(weight.dtype).replace("torch.", ""),
+    stats = WeightStats(shape=(rows, cols), dtype=dtype_name,
                         nnz=int(nonzero.sum()))
     for m in sorted(set(NM_GROUP_SIZES) | set(extra_group_sizes)):
         if m <= cols and m >= 2:

@@ -12,6 +12,9 @@ A linear weight ``W`` has shape ``[N, K]`` (out features, in features). Four fam
   (``crow``, ``col``, ``values [nnzb, h, w]``). N and K must be multiples of the block.
 - ``csr``: compressed sparse rows (``crow``, ``col``, ``values``).
 
+Formats are independent of the element type: an FP8 (e4m3) weight packs into the same layouts,
+its values moved by their bit patterns where torch's CPU kernels take no float8.
+
 Every packed form round-trips exactly: ``pack(W, spec).to_dense()`` equals ``W`` bit for
 bit. :func:`pack` refuses a weight that the format cannot represent exactly.
 """
@@ -179,7 +182,7 @@ class NMWeight(PackedWeight):
         position = torch.arange(m, device=weight.device)
         key = (~nonzero).to(torch.int32) * m + position             # non-zeros sort first
         keep = key.topk(n, dim=-1, largest=False).indices.sort(dim=-1).values
-        values = groups.gather(-1, keep)
+        values = _bits(groups).gather(-1, keep).view(weight.dtype)
         rows = weight.shape[0]
         return cls(values.reshape(rows, -1).contiguous(),
                    keep.to(torch.uint8).reshape(rows, -1).contiguous(), n, m, weight.shape[1])
@@ -193,10 +196,10 @@ class NMWeight(PackedWeight):
     def to_dense(self):
         rows = self.values.shape[0]
         groups = self.values.shape[1] // self.n
-        dense = self.values.new_zeros(rows, groups, self.m)
-        dense.scatter_(-1, self.indices.reshape(rows, groups, self.n).long(),
-                       self.values.reshape(rows, groups, self.n))
-        return dense.reshape(rows, groups * self.m)[:, : self.in_features]
+        values = _bits(self.values)
+        dense = values.new_zeros(rows, groups, self.m)
+        dense.scatter_(-1, self.indices.reshape(rows, groups, self.n).long(), values.reshape(rows, groups, self.n))
+        return dense.reshape(rows, groups * self.m)[:, : self.in_features].view(self.values.dtype)
 
 
 @dataclass
@@ -316,6 +319,12 @@ def group_along_k(weight: torch.Tensor, m: int) -> torch.Tensor:
     if pad:
         weight = torch.nn.functional.pad(weight, (0, pad))
     return weight.reshape(rows, -1, m)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as their bit patterns where they are 1-byte floats (FP8, whose zero is the byte
+    0 once quantized: sparsecc.ir.quant), else as they are: gather and scatter then move them."""
+    return values.view(torch.uint8) if values.is_floating_point() and values.element_size() == 1 else values
 
 
 def _check_matrix(weight: torch.Tensor) -> torch.Tensor:

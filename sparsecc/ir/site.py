@@ -5,7 +5,8 @@ Passes store a :class:`LinearSite` in ``node.meta[SITE_KEY]`` of the node that c
 product (the *anchor*; once fuse_epilogue ran, the one node that computes the whole site). ``W`` is always the effective ``[N, K]`` weight (out, in features),
 whatever form the graph used: ``nn.Linear``, ``F.linear``, ``addmm(b, x, W.t())``,
 ``x @ W.t()``, ``x @ P`` with a stored ``[K, N]`` matrix, or ``W @ x`` (the weight on the left,
-which reads its input as ``[..., K, M]`` and writes ``[..., N, M]``).
+which reads its input as ``[..., K, M]`` and writes ``[..., N, M]``). A quantized site (a call of
+:func:`sparsecc.ir.quant.fp8_linear`) has an e4m3 ``W`` and also reads its scales' nodes.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class LinearSite:
     module_path: str = ""             # where its graph module sits in the model
     input_shape: tuple[int, ...] | None = None             # observed with the example inputs
     input_dtype: torch.dtype | None = None
+    quantized: bool = False           # an FP8 site: W is e4m3, the scales follow
+    weight_scale_node: fx.Node | None = None   # [N] fp32 per-channel scales
+    input_scale_node: fx.Node | None = None    # a static input scale (None: per token)
 
     @property
     def out_features(self) -> int:

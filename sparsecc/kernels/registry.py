@@ -3,6 +3,7 @@ a weight (and why none can), how a chosen site is packed, and which kernels a pl
 
 The planner never names a family: it asks here. Adding a family is one module implementing
 :class:`~sparsecc.kernels.base.KernelFamily`, one template, and one entry in :data:`FAMILIES`.
+A quantized (FP8) weight has no family yet (:mod:`sparsecc.kernels.fp8` says why).
 Compile plans sparse formats only (a dense site runs torch's GEMM, which Inductor can fuse);
 the dense families run a dense weight on sparsecc's own kernels where a caller asks for them.
 """
@@ -14,6 +15,7 @@ from ..codegen.spec import KernelSpec
 from ..errors import InputError
 from ..ir.formats import NM_2_4, FormatSpec, PackedWeight
 from ..runtime.timing import packed_runner, time_all_us
+from . import fp8
 from .base import KernelFamily
 from .bsr import Bsr
 from .csr import CsrTiled
@@ -51,6 +53,9 @@ def serving(spec: FormatSpec) -> list[KernelFamily]:
 
 def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype) -> str | None:
     """Why none of sparsecc's kernels runs ``spec`` for a weight of this shape and dtype, or None."""
+    quantized = fp8.refusal(spec, dtype)
+    if quantized:
+        return quantized
     reasons = [family.refuses(spec, shape, dtype) for family in serving(spec)]
     if not reasons:
         return f"sparsecc has no kernel for {spec}"

@@ -29,6 +29,11 @@ Sites whose candidates' times cannot depend on the weight's values share one tim
 :data:`TIMING_BUDGET_S` of timing in a plan, predictions decide the remaining sites (their
 reasons say so). ``CostModel(measure=False)`` chooses from the predictions alone.
 
+A quantized site (an e4m3 weight, made by ``sparsecc.quantize``) is decided apart
+(:meth:`CostModel.decide`): it has no kernel yet, so it stays dense (its FP8 reference op) unless
+``formats`` asks for an n:m format its weight fits. An FP8 format is a candidate only for an FP8
+weight, so a model that was not quantized never runs one.
+
 A model whose ops run one by one from the host (``op_by_op=True``: the ``torch.compile``
 backend without CUDA graphs) also pays each op's host time, and where the host sets the pace
 a kernel's saving on the GPU is lost to it. There a sparse candidate is charged the host time
@@ -51,13 +56,16 @@ from ..ir.workload import Workload
 from ..kernels import registry
 from ..kernels.base import kernels_unavailable as kernels_unavailable_on
 from ..runtime.timing import host_us, packed_runner, reference_us, time_all_us
-from ..runtime.torch_ops import torch_has_bsr_kernel
+from ..runtime.torch_ops import OP_FOR_FP8, torch_has_bsr_kernel
 from . import fit as calib
 from .work import priced_like, work
 
 log = logging.getLogger("sparsecc")
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+#: the weight dtypes of quantized sites, and the format kinds their ops run
+QUANTIZED_DTYPES = ("float8_e4m3fn",)
+QUANTIZED_KINDS = tuple(OP_FOR_FP8)
 #: M ranges of a plan's buckets (the last is open-ended)
 BUCKETS = ((1, 1), (2, 16), (17, 128), (129, 1024), (1025, None))
 DEFAULT_M = 128
@@ -375,6 +383,8 @@ class CostModel:
         """Choose a format for one site seen with ``m`` rows (None: not observed), over
         ``m_range`` if given. ``measure_sites(specs, m, planned_m) -> {spec: us}`` times
         candidates against one another (:meth:`site_timer`)."""
+        if stats.dtype in QUANTIZED_DTYPES:
+            return self._decide_quantized(stats, allowed)
         if stats.dtype not in SUPPORTED_DTYPES:
             return Decision(DENSE, f"dtype {stats.dtype} is not supported (only {', '.join(SUPPORTED_DTYPES)}); "
                                    "stays dense", [])
@@ -427,6 +437,27 @@ class CostModel:
                   if over_budget else "")
         return Decision(spec, f"{why}{self._where_it_runs(stats, spec, planned_m)} at {where} ({self.source})"
                               f"{budget}", predictions, buckets)
+
+    def _decide_quantized(self, stats: WeightStats, allowed: list[FormatSpec] | None) -> Decision:
+        """A quantized site's format (see the module docstring): dense, or the n:m format that
+        ``allowed`` names and the weight fits. Nothing is predicted or timed: the reference ops
+        unpack n:m to dense, so only memory, never time, could favour n:m today: no candidate is
+        listed with a time."""
+        fitting = [s for s in exact_candidates(stats, allowed) if s.kind in QUANTIZED_KINDS]
+        forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
+        sparse = [s for s in fitting if s.kind != "dense"]
+        if forced and sparse:
+            spec = sparse[0]
+            why = registry.refusal(spec, stats.shape, getattr(torch, stats.dtype))
+            return Decision(spec, f"FP8 site: formats asks for {spec}, which the weight fits exactly; {why}; "
+                                  "it computes what the dense FP8 site computes", [])
+        if forced:
+            names = ", ".join(str(s) for s in allowed)
+            return Decision(DENSE, f"FP8 site: formats=({names}): none fits the weight exactly or has an FP8 op "
+                                   f"({', '.join(QUANTIZED_KINDS)}); stays dense", [])
+        why = registry.refusal(NM_2_4, stats.shape, getattr(torch, stats.dtype))
+        return Decision(DENSE, f"FP8 site: stays dense on its reference op; {why} (formats=('2:4',) packs a "
+                               "2:4 weight, same results)", [])
 
     def _extra_host_us(self, spec: FormatSpec) -> float:
         """What a predicted sparse candidate is charged for its host time (see the module docstring)."""

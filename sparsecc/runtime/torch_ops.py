@@ -9,7 +9,14 @@ with ``transpose_out``, ``y^T``. The ops differ only in how ``W`` arrives:
 ``sparsecc::linear_nm``     ``values, indices`` of an n:m weight (see sparsecc.ir.formats)
 ``sparsecc::linear_bsr``    ``crow, col, values [nnzb, h, w]``
 ``sparsecc::linear_csr``    ``crow, col, values``
+``sparsecc::linear_fp8``    ``weight [N, K]`` in e4m3 and its scales (a quantized site)
+``sparsecc::linear_fp8_nm`` ``values, indices`` of an e4m3 n:m weight and its scales
 =========================  ===============================================================
+
+The FP8 ops compute :func:`sparsecc.ir.quant.fp8_product` (the input rounded to e4m3 per token
+or with its static scale, exact products summed in fp32, then both scales); they take an input
+of any floating dtype and return that dtype. They are the reference the GPU's FP8 kernels will
+be held to, not fast: they widen e4m3 to fp32 and run a dense fp32 product.
 
 The implementations here run on torch's own kernels on any device (dense GEMM, MKL/cuSPARSE
 CSR and BSR, or block products where torch has no BSR kernel for the dtype or block);
@@ -42,6 +49,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..ir.epilogue import Activation, apply_activation
+from ..ir.quant import fp8_product
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")
 # the BSR and CSR tensors below are this module's own, short-lived: torch's beta notice about them
@@ -274,10 +282,57 @@ def linear_csr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_feature
     return _finish(y, lead, bias, activation, transpose_out, x.dtype)
 
 
+# ---------------------------------------------------------------------------- fp8
+
+def _fp8_site(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+              bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
+    """An FP8 site on a dense e4m3 ``weight [N, K]``: checks as the module docstring says (any
+    floating input dtype), the product of :func:`~sparsecc.ir.quant.fp8_product`, the epilogue."""
+    Activation.parse(activation)
+    if not x.is_floating_point():
+        raise InputError(f"sparsecc FP8 linear: the input must be floating point, got {x.dtype}")
+    if tuple(weight_scale.shape) != (weight.shape[0],):
+        raise InputError(f"sparsecc FP8 linear: weight_scale has shape {tuple(weight_scale.shape)}, "
+                         f"expected ({weight.shape[0]},)")
+    x2d, lead = _rows(x, x_transposed, weight.shape[1])
+    bias = _check_bias(bias, weight.shape[0], x.dtype)
+    y = fp8_product(x2d, weight, weight_scale, input_scale)
+    return _finish(y, lead, bias, activation, transpose_out, x.dtype)
+
+
+@_define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+         "str activation, bool x_transposed, bool transpose_out) -> Tensor",
+         lambda x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out:
+         x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out)))
+def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+               bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
+    """A quantized site with a dense e4m3 weight (see :func:`_fp8_site`)."""
+    return _fp8_site(x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out)
+
+
+@_define("linear_fp8_nm(Tensor x, Tensor values, Tensor indices, Tensor weight_scale, Tensor? input_scale, "
+         "int n, int m, int in_features, Tensor? bias, str activation, bool x_transposed, "
+         "bool transpose_out) -> Tensor",
+         lambda x, values, indices, weight_scale, input_scale, n, m, in_features, bias, activation, x_transposed,
+         transpose_out: x.new_empty(output_shape(x, x_transposed, values.shape[0], transpose_out)))
+def linear_fp8_nm(x: Tensor, values: Tensor, indices: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+                  n: int, m: int, in_features: int, bias: Optional[Tensor], activation: str,
+                  x_transposed: bool, transpose_out: bool) -> Tensor:
+    """A quantized site with an e4m3 n:m weight: unpacked (through fp32, exactly) to the dense
+    weight, then :func:`_fp8_site`; the sums are those of the dense FP8 site."""
+    weight = nm_to_dense(values.to(torch.float32), indices, n, m, in_features)
+    return _fp8_site(x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out)
+
+
 #: the op that runs each format family
 OP_FOR_KIND = {
     "dense": torch.ops.sparsecc.linear_dense.default,
     "nm": torch.ops.sparsecc.linear_nm.default,
     "bsr": torch.ops.sparsecc.linear_bsr.default,
     "csr": torch.ops.sparsecc.linear_csr.default,
+}
+#: the op that runs each format family for a quantized (FP8) site
+OP_FOR_FP8 = {
+    "dense": torch.ops.sparsecc.linear_fp8.default,
+    "nm": torch.ops.sparsecc.linear_fp8_nm.default,
 }

@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-try:                      # torch built without distributed support has no DTensor, so no sharded layer
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-except ImportError:       # pragma: no cover - every torch sparsecc supports on Linux has it
-    DTensor = Partial = Replicate = Shard = None
 
 log = logging.getLogger("sparsecc")
 
@@ -47,9 +43,16 @@ HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks
          "_forward_hooks_always_called")
 
 
+def _dtensor():
+    """``torch.distributed.tensor`` if it is loaded, else None. A DTensor exists only once that
+    module is loaded, so sparsecc never loads it itself (it adds seconds to ``import sparsecc``)."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
 def is_distributed(tensor) -> bool:
     """Whether ``tensor`` is a DTensor (its values live on several ranks)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dt = _dtensor()
+    return dt is not None and isinstance(tensor, dt.DTensor)
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,13 @@ class LocalShard(nn.Module):
         return self._original()
 
     def _runs_locally(self, x) -> bool:
-        if not isinstance(x, DTensor) or x.device_mesh != self.mesh or len(x.placements) != 1:
+        dt = _dtensor()
+        if not isinstance(x, dt.DTensor) or x.device_mesh != self.mesh or len(x.placements) != 1:
             return False
         placement = x.placements[0]
         if self.layout.dim == 0:
-            return isinstance(placement, Replicate)
-        return isinstance(placement, Shard) and placement.dim in (-1, x.dim() - 1)
+            return isinstance(placement, dt.Replicate)
+        return isinstance(placement, dt.Shard) and placement.dim in (-1, x.dim() - 1)
 
     def forward(self, x):
         if not self._runs_locally(x):
@@ -133,10 +137,11 @@ class LocalShard(nn.Module):
                             getattr(x, "placements", type(x).__name__))
                 self._warned = True
             return F.linear(x, self.weight, self.bias)
+        dt = _dtensor()
         y = self.local(x.to_local())
         shape = (*x.shape[:-1], self.layout.full_shape[0])
-        placement = Shard(y.dim() - 1) if self.layout.dim == 0 else Partial()
-        y = DTensor.from_local(y, self.mesh, (placement,), run_check=False, shape=torch.Size(shape),
+        placement = dt.Shard(y.dim() - 1) if self.layout.dim == 0 else dt.Partial()
+        y = dt.DTensor.from_local(y, self.mesh, (placement,), run_check=False, shape=torch.Size(shape),
                                stride=_contiguous_strides(shape))
         if self.bias is not None and self.layout.dim == 1:
             y = y + self.bias
@@ -154,15 +159,16 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 def layout_of(linear: nn.Module) -> ShardLayout | str:
     """The :class:`ShardLayout` of a tensor-parallel ``nn.Linear``, or why it cannot run on its
     local shard."""
+    dt = _dtensor()
     weight, bias = linear.weight, linear.bias
     mesh = weight.device_mesh
     if mesh.ndim != 1 or len(weight.placements) != 1:
         return f"its weight is sharded over a {mesh.ndim}-D mesh {weight.placements}; only 1-D meshes run locally"
     placement = weight.placements[0]
-    if not isinstance(placement, Shard) or placement.dim not in (0, 1):
+    if not isinstance(placement, dt.Shard) or placement.dim not in (0, 1):
         return f"its weight's placement {placement} is neither Shard(0) (column-wise) nor Shard(1) (row-wise)"
     dim = placement.dim
-    wanted = Shard(0) if dim == 0 else Replicate()
+    wanted = dt.Shard(0) if dim == 0 else dt.Replicate()
     if bias is not None and (not is_distributed(bias) or tuple(bias.placements) != (wanted,)):
         return f"its bias is {getattr(bias, 'placements', 'not a DTensor')}, not {wanted} as its weight's layout needs"
     local = weight.to_local()

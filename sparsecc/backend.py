@@ -4,7 +4,10 @@ Dynamo hands over each captured graph with the model's parameters as graph input
 default ``inline_inbuilt_nn_modules``). The backend recognises them by their type, plans
 and rewrites the sparse sites exactly as ``sparsecc.compile`` does, and hands the rewritten
 graph to Inductor (or runs it as is, ``inductor=False``). A graph break or an op sparsecc does
-not know only means fewer sites: everything else runs as Inductor would run it.
+not know only means fewer sites: everything else runs as Inductor would run it. A tensor-parallel
+layer (a DTensor weight: Dynamo sees the layer whole, its values spread over ranks) is not a site
+here and runs as Inductor runs it; ``sparsecc.compile`` runs such layers on their local shards, and
+its result can be handed to ``torch.compile`` in turn.
 
 Each site is chosen by timing it alone; what Inductor does around the layers (its fusions,
 its layouts, the host's pace op by op) is not in those timings. So where the graph can be run
@@ -39,8 +42,10 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from .compiler import analyze_sites, pack_sites, plan_sites
 from .errors import InputError
+from .frontend.sharded import is_distributed
 from .ir.formats import FormatSpec
 from .ir.plan import Plan
+from .ir.site import SITE_KEY
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .planner.cost import CostModel
 from .runtime.kernel_dir import use_kernels
@@ -90,7 +95,7 @@ class SparseGraph:
         index_of = {node.target: i for i, node in enumerate(placeholders)}
         conv_as_linear.run(gm, placeholders=constants)
         _propagate(gm, inputs)
-        sites = find_linear.run(gm, placeholders=constants).sites
+        sites = _local_sites(find_linear.run(gm, placeholders=constants).sites)
         fuse_epilogue.run(gm, placeholders=constants)
         device = next((v.device for v in inputs if isinstance(v, torch.Tensor)), torch.device("cpu"))
         cost_model = self.cost_model or CostModel(device, op_by_op=not self.cuda_graphs)
@@ -181,6 +186,20 @@ def _all_dense(plan: Plan, sparse_us: float, dense_us: float) -> Plan:
                                  bytes_after=site.bytes_before)
              for site in plan.sites]
     return dataclasses.replace(plan, sites=sites)
+
+
+def _local_sites(sites: list) -> list:
+    """The sites whose weight is a plain tensor; a DTensor weight's site is unmarked (it stays the
+    graph's own op), since each rank holds only a shard of it."""
+    local = []
+    for site in sites:
+        if is_distributed(site.weight):
+            del site.anchor.meta[SITE_KEY]
+            log.info("%s is a tensor-parallel weight (DTensor): left to Inductor; sparsecc.compile runs such "
+                     "layers on their local shards", site.name)
+        else:
+            local.append(site)
+    return local
 
 
 def _copy_of_dynamo_graph(original: fx.GraphModule) -> fx.GraphModule:

@@ -2,6 +2,9 @@
 
 trace (fx, part by part if needed) -> conv_as_linear -> find_linear -> fuse_epilogue -> analysis -> cost model
 (or a given plan) -> pack -> splice -> a module that computes what the model computed.
+
+A tensor-parallel model (linears sharded by ``parallelize_module``) runs each rank's local shards
+(sparsecc.frontend.sharded), planned once for all ranks (sparsecc.planner.shared).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
-from .frontend import tracing
+from .frontend import sharded, tracing
 from .ir.analysis import WeightStats, analyze
 from .ir.formats import NM_2_4, FormatSpec, pack
 from .ir.numerics import relative_error
@@ -25,6 +28,7 @@ from .ir.plan import Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
+from .planner import shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
 from .runtime.kernel_dir import use_kernels
 
@@ -104,7 +108,10 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         names = {s.name for s in prepared.sites if s.module_path == part.path}
         if names:
             splice.run(part.gm, {n: decisions[n] for n in names})
-            replaced[part.path] = part.module()
+            if part.holder is not None:          # a tensor-parallel layer's local shard
+                part.holder.local = part.module()
+            else:
+                replaced[part.path] = part.module()
     compiled = tracing.assemble(prepared.model, replaced)
     compiled.sparsecc_plan = prepared.plan
     compiled.register_forward_pre_hook(PackedSources(prepared.model, prepared.sites, decisions))
@@ -122,8 +129,13 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
         raise InputError("the model has parameters on the meta device (no values): load its weights first, "
                          "e.g. model.to_empty(device=...) then load_state_dict(...)")
     target = _target_device(model, device)
+    shards, refused = sharded.find_shards(model)
     if any(p.device != target for p in model.parameters()):
+        if shards or refused:
+            raise InputError(f"the tensor-parallel model is not on {target}: move it there before sharding it")
         model = copy.deepcopy(model).to(target)
+    if shards:
+        model = tracing.assemble(model, shards)
     args, kwargs = tracing.normalize_inputs(example_inputs)
     args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     traced = tracing.trace(model, args, kwargs)
@@ -139,10 +151,21 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
     if m_range is None and seen and generates(model):
         m_range = (1, max(seen))
     model_cost = cost_model or CostModel(target, objective=objective)
+    untraced = {**refused, **traced.untraced}
+    layouts = {s.name: shards[s.module_path].layout for s in sites if s.module_path in shards}
     if given_plan is not None:
-        the_plan = _replay(given_plan, sites, stats, target, traced.untraced)
+        the_plan = _replay(given_plan, sites, stats, target, untraced)
+    elif layouts and shared.world_size() > 1:
+        merged = shared.merged_stats(stats)
+        rank0 = shared.broadcast_plan(lambda: plan_sites(sites, merged, model_cost, allowed, target, untraced,
+                                                         m_range))
+        the_plan = _replay(rank0, sites, stats, target, untraced,
+                           how=f"planned on rank 0 for the shards of all {shared.world_size()} ranks")
     else:
-        the_plan = plan_sites(sites, stats, model_cost, allowed, target, traced.untraced, m_range)
+        the_plan = plan_sites(sites, stats, model_cost, allowed, target, untraced, m_range)
+    for name, layout in layouts.items():
+        the_plan[name].reason += "; " + shared.shard_note(layout, [FormatSpec.parse(the_plan[name].choice),
+                                                                  *(allowed or ())])
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost)
 
 
@@ -221,7 +244,7 @@ def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets, m_r
         m_range=list(m_range) if m_range else None)
 
 
-def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
+def _replay(given: Plan, sites, stats, target, untraced, how: str = "replayed from a plan") -> Plan:
     by_name = {s.name: s for s in given.sites}
     missing = [s.name for s in sites if s.name not in by_name]
     extra = sorted(set(by_name) - {s.name for s in sites})
@@ -238,7 +261,7 @@ def _replay(given: Plan, sites, stats, target, untraced) -> Plan:
         if site.quantized and choice.kind not in QUANTIZED_KINDS:
             raise PlanError(f"the plan runs the FP8 site {site.name} as {choice}: an FP8 site runs as "
                             f"{' or '.join(QUANTIZED_KINDS)} only")
-        replayed.append(_site_plan(site, stats[site.name], choice, f"replayed from a plan: {entry.reason}",
+        replayed.append(_site_plan(site, stats[site.name], choice, f"{how}: {entry.reason}",
                                    entry.candidates, entry.buckets, entry.m_range))
     return Plan(replayed, device=str(target), untraced=untraced)
 
@@ -306,6 +329,8 @@ class PackedSources:
                 owner = model.get_submodule(owner_path)
             except AttributeError:
                 continue
+            if isinstance(owner, sharded.LocalShard):     # watch the user's layer, whose parameter it is
+                owner = owner.original or owner
             tensor = getattr(owner, attribute, None)
             if isinstance(tensor, torch.Tensor):
                 self.watched.append((path, weakref.ref(owner), attribute, weakref.ref(tensor), tensor._version))

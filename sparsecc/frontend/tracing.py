@@ -32,6 +32,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import InputError
 from ..passes.conv_as_linear import is_patch_conv
+from .sharded import LocalShard
 
 log = logging.getLogger("sparsecc")
 
@@ -47,6 +48,8 @@ class TracedPart:
     original: nn.Module
     arguments: dict[str, Any]
     constants: dict[str, Any]
+    #: the LocalShard whose local linear this part is (it goes in there, not at ``path``)
+    holder: LocalShard | None = None
 
     def module(self) -> nn.Module:
         """What replaces the original module in the compiled model."""
@@ -147,8 +150,26 @@ def _holds_matrices(module: nn.Module) -> bool:
             or any(is_patch_conv(m) for m in module.modules()))
 
 
-def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced) -> None:
+class _Tracer(fx.Tracer):
+    """fx's tracer, keeping each :class:`LocalShard` (a tensor-parallel linear) as one call, so its
+    hooks run (they convert to and from DTensors, which fx cannot trace)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, LocalShard) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(module: nn.Module, concrete_args) -> fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(module, concrete_args)
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced,
+                  holder: LocalShard | None = None) -> None:
     if not _holds_matrices(module):
+        return
+    if isinstance(module, LocalShard):      # its local linear is the part, named as the layer
+        _trace_module(module.local, path, calls, traced, holder=module)
         return
     arguments = _bind(module, *calls[id(module)]) if id(module) in calls else None
     try:
@@ -157,7 +178,7 @@ def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced) -> 
         if arguments is None:
             raise TypeError("its forward takes *args or **kwargs")
         constants = {name: value for name, value in arguments.items() if not isinstance(value, torch.Tensor)}
-        gm = fx.symbolic_trace(module, concrete_args=constants or None)
+        gm = _symbolic_trace(module, constants or None)
     except Exception as error:  # fx raises many types; any failure means "try the children"
         own = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 2]
         if own:
@@ -167,8 +188,11 @@ def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced) -> 
         for name, child in module.named_children():
             _trace_module(child, f"{path}.{name}" if path else name, calls, traced)
         return
-    traced.parts.append(TracedPart(path, gm, module, arguments, constants))
+    traced.parts.append(TracedPart(path, gm, module, arguments, constants, holder))
     _report_opaque_calls(gm, path, traced)
+    for inner, shard in module.named_modules():
+        if isinstance(shard, LocalShard) and shard is not module and shard is not holder:
+            _trace_module(shard, f"{path}.{inner}" if path else inner, calls, traced)
 
 
 def _report_opaque_calls(gm: fx.GraphModule, path: str, traced: Traced) -> None:
@@ -180,7 +204,7 @@ def _report_opaque_calls(gm: fx.GraphModule, path: str, traced: Traced) -> None:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        if isinstance(module, (nn.Linear, nn.Embedding)) or is_patch_conv(module):
+        if isinstance(module, (nn.Linear, nn.Embedding, LocalShard)) or is_patch_conv(module):
             continue
         weights = [name for name, p in module.named_parameters() if p.dim() == 2]
         if weights:

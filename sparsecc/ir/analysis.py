@@ -78,3 +78,17 @@ def analyze(weight: torch.Tensor, *, extra_group_sizes: tuple[int, ...] = (),
             present = nonzero.reshape(rows // h, h, cols // w, w).any(3).any(1)
             stats.block_density[(h, w)] = float(present.float().mean())
     return stats
+
+
+def worst_of(stats: list[WeightStats]) -> WeightStats:
+    """One weight's statistics that every one of ``stats`` (e.g. the shards of one layer on the
+    ranks of a tensor-parallel model) satisfies: a format fits it only if it fits each of them, and
+    its density and group counts are the largest, so a plan made from it suits every shard and
+    prices the slowest. Its shape is the first's."""
+    first = stats[0]
+    return WeightStats(
+        shape=first.shape, dtype=first.dtype, nnz=max(s.nnz for s in stats),
+        nm_min_n={m: max(s.nm_min_n[m] for s in stats) for m in first.nm_min_n if all(m in s.nm_min_n for s in stats)},
+        beyond_24=max(s.beyond_24 for s in stats),
+        block_density={b: max(s.block_density[b] for s in stats) for b in first.block_density
+                       if all(b in s.block_density for s in stats)})

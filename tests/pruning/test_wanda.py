@@ -12,6 +12,7 @@ from sparsecc.pruning.masks import kept_count
 from sparsecc.pruning.wanda import row_masks
 
 from conftest import nonzero_randn
+from pruning.test_prune import Conv1D
 
 
 def model_and_batches(seed=0):
@@ -98,6 +99,21 @@ def test_erk_wanda_keeps_each_layers_density_row_by_row():
         assert len(set(mask.sum(1).tolist())) == 1, name            # every row alike
     densities = [layer.density for layer in report]
     assert densities[2] > max(densities[:2])                        # the small output layer keeps most
+
+
+def test_conv1d_wanda_scores_its_stored_layout_transposed():
+    """A Hugging Face Conv1D stores W as [in, out]: rows of the canonical [out, in] view are the
+    stored columns, and the norms are over its input features (stored dim 0)."""
+    torch.manual_seed(4)
+    conv = Conv1D(6, 16)
+    with torch.no_grad():
+        conv.weight.copy_(nonzero_randn(16, 6))
+    batches = [torch.randn(5, 16) * torch.logspace(-1, 1, 16) for _ in range(2)]
+    norms = torch.cat(batches).double().pow(2).sum(0).sqrt()
+    scores = conv.weight.detach().double().t().abs() * norms            # [out, in]
+    prune(nn.Sequential(conv), "unstructured@0.25", criterion="wanda", calibration=batches)
+    top = scores.argsort(dim=1, descending=True)[:, :kept_count(0.25, 16)]
+    assert torch.equal(conv.weight.t() != 0, torch.zeros(6, 16, dtype=torch.bool).scatter_(1, top, True))
 
 
 def test_row_masks_break_ties_by_the_lower_column():

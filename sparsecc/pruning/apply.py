@@ -14,11 +14,15 @@ import torch
 from torch import nn
 
 from ..errors import InputError, PatternError
+from .allocation import ALLOCATIONS, check_prune_scope
+from .calibration import check_calibration
+from .criteria import WANDA, criterion_masks, criterion_name
 from .finetune import register_mask
-from .masks import check_scope, pattern_masks
+from .masks import pattern_masks
 from .patterns import Pattern, parse_pattern
 from .report import LayerReport, PruneReport
 from .selection import is_conv1d, select_layers, weight_matrix
+from .wanda import wanda_scorer
 
 Criterion = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -28,7 +32,7 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
           exclude: "str | Iterable[str] | None" = None,
           types: tuple[type, ...] = (nn.Linear,), keep_first: int = 0, keep_last: int = 0,
           scope: str = "layer", criterion: "str | Criterion" = "magnitude",
-          keep_masks: bool = False) -> PruneReport:
+          keep_masks: bool = False, calibration: "Iterable | None" = None) -> PruneReport:
     """Prune the selected layers of ``model`` to ``pattern``, in place; return a report.
 
     Args:
@@ -41,11 +45,17 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
         keep_first, keep_last: leave the first / last k selected layers (in
             ``model.named_modules()`` order) dense.
         scope: ``"layer"`` prunes each layer on its own; ``"global"`` ranks the units of all
-            selected layers together (one threshold), for ``unstructured`` and ``block``.
-        criterion: ``"magnitude"`` (|w|, the default) or a callable
+            selected layers together (one threshold), for ``unstructured`` and ``block``;
+            ``"erk"`` gives each layer its own density, more to small layers, keeping the
+            pattern's density in total (:mod:`sparsecc.pruning.allocation`).
+        criterion: ``"magnitude"`` (|w|, the default), ``"wanda"`` (|w| times the L2 norm of
+            its input feature on ``calibration``; unstructured masks compare within each
+            output row, see :mod:`sparsecc.pruning.criteria`) or a callable
             ``(name, weight) -> scores`` of the weight's stored shape, higher = keep.
         keep_masks: store each mask as a bool buffer ``weight_mask`` for fine-tuning (see
             :func:`sparsecc.pruning.attach_to_optimizer`).
+        calibration: for ``criterion="wanda"`` only: an iterable of example inputs as the
+            model is called (tensors, tuples, dicts), run once under no_grad before pruning.
 
     A layer whose shape the pattern cannot take (a block that does not divide it) is left
     dense; the report gives the reason and a warning names it. If no selected layer can
@@ -53,11 +63,12 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
     not 2-D raises InputError.
     """
     pattern = parse_pattern(pattern)
-    check_scope(pattern, scope)
-    score_of = _scorer(criterion)
+    check_prune_scope(pattern, scope)
+    check_calibration(criterion, calibration)
+    score_of = None if criterion == WANDA else _scorer(criterion)
     layers = select_layers(model, include=include, exclude=exclude, types=types,
                            keep_first=keep_first, keep_last=keep_last)
-    report = PruneReport(pattern=str(pattern), scope=scope)
+    report = PruneReport(pattern=str(pattern), scope=scope, criterion=criterion_name(criterion))
     prunable = []
     for name, module in layers:
         matrix = _checked_matrix(name, module)
@@ -74,8 +85,14 @@ def prune(model: nn.Module, pattern: "str | Pattern", *,
                       f"fit their shape: {', '.join(layer.name for layer in report.skipped)} "
                       "(see the report)", stacklevel=2)
 
+    if criterion == WANDA:
+        score_of = wanda_scorer(model, [(name, module) for name, module, _ in prunable], calibration)
+    if criterion == WANDA or scope in ALLOCATIONS:
+        masks = criterion_masks(pattern, prunable, score_of, scope, rows=criterion == WANDA)
+    else:
+        masks = _masks(pattern, prunable, score_of, scope)
     with torch.no_grad():
-        for (name, module, matrix), mask in zip(prunable, _masks(pattern, prunable, score_of, scope)):
+        for (name, module, matrix), mask in zip(prunable, masks):
             before = _nonzeros_and_l1(matrix)
             matrix.masked_fill_(~mask, 0)
             report.layers.append(_layer_report(name, pattern, matrix, before=before))
@@ -155,7 +172,7 @@ def _scorer(criterion) -> "Callable[[str, nn.Module], torch.Tensor] | None":
     if criterion == "magnitude":
         return None
     if not callable(criterion):
-        raise InputError(f"criterion must be 'magnitude' or a callable (name, weight) -> scores, "
+        raise InputError(f"criterion must be 'magnitude', 'wanda' or a callable (name, weight) -> scores, "
                          f"got {criterion!r}")
 
     def score_of(name: str, module: nn.Module) -> torch.Tensor:

@@ -30,6 +30,8 @@ class PruneReport:
 
     pattern: str
     scope: str
+    #: what chose the kept weights: "magnitude", "wanda" or a custom callable's name
+    criterion: str = "magnitude"
     layers: list[LayerReport] = field(default_factory=list)
     #: 2-D weights prune did not touch though no include/exclude left them out, and why
     not_pruned: dict[str, str] = field(default_factory=dict)
@@ -69,7 +71,7 @@ class PruneReport:
                  f"{layer.density_before:.4f}", f"{layer.density:.4f}",
                  f"{layer.magnitude_kept:.4f}", f"skipped: {layer.skipped}" if layer.skipped else "")
                 for layer in self.layers]
-        rows.append((f"total ({len(self.pruned)} pruned)", "", f"{self.pattern} ({self.scope})",
+        rows.append((f"total ({len(self.pruned)} pruned)", "", f"{self.pattern} ({self.scope}, {self.criterion})",
                      "", f"{self.density:.4f}", "", ""))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
@@ -81,7 +83,7 @@ class PruneReport:
 
     def to_dict(self) -> dict:
         """Plain data (JSON-serialisable)."""
-        return {"pattern": self.pattern, "scope": self.scope, "density": self.density,
+        return {"pattern": self.pattern, "scope": self.scope, "criterion": self.criterion, "density": self.density,
                 "layers": [{**asdict(layer), "shape": list(layer.shape)} for layer in self.layers],
                 "not_pruned": dict(self.not_pruned), "tied": dict(self.tied)}
 

@@ -165,7 +165,7 @@ def test_types_selects_module_classes():
     (dict(exclude="*"), "exclude"), (dict(keep_first=4, keep_last=2), "keep_first=4"),
     (dict(types=(nn.Conv2d,)), "Conv2d"), (dict(keep_first=-1), "keep_first"),
     (dict(include=3), "globs"), (dict(scope="global"), "scope='layer'"),
-    (dict(scope="everything"), "'layer' or 'global'"), (dict(criterion="taylor"), "criterion"),
+    (dict(scope="everything"), "'layer', 'global' or 'erk'"), (dict(criterion="taylor"), "criterion"),
 ])
 def test_bad_selection_and_options_raise_input_error(kwargs, says):
     with pytest.raises(InputError, match=says):

@@ -1,4 +1,5 @@
 import json
+import math
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ from sparsecc.ir.analysis import analyze
 from sparsecc.errors import InputError, PatternError
 from sparsecc.ir.formats import FormatSpec, group_along_k
 from sparsecc.pruning import (NMPattern, UnstructuredPattern, parse_pattern, pattern_mask, prune)
+from sparsecc.pruning import apply as prune_apply
 from sparsecc.pruning.masks import kept_count
 
 from conftest import nonzero_randn
@@ -285,6 +287,83 @@ def test_report_table_and_dict():
     assert data["density"] == pytest.approx(report.density)
     with pytest.raises(KeyError):
         report["embed"]
+
+
+def bits(tensor):
+    """A tensor's bit patterns, so that +0.0 and -0.0 (and NaNs) compare as what they are."""
+    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def awkward_weight(rows, cols, dtype, seed):
+    """Normal samples with exact zeros, -0.0 and a wide range of magnitudes in them."""
+    generator = torch.Generator().manual_seed(seed)
+    w = nonzero_randn(rows, cols, generator=generator) * torch.rand(rows, cols, generator=generator) ** 4
+    w[torch.rand(rows, cols, generator=generator) < 0.1] = 0.0
+    w[torch.rand(rows, cols, generator=generator) < 0.1] = -0.0
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pattern", ["2:4", "3:32", "2:4/vw4", "1:2/bw8", "block8x8@0.5",
+                                     "unstructured@0.3"])
+def test_report_equals_an_fp64_recount_and_pruning_equals_masked_fill(pattern, dtype, monkeypatch):
+    """prune zeroes and measures each weight in one pass of its own (chunks of rows, integer
+    products of the weight's bits, sums in float32 within a chunk); what it reports must be
+    what a plain fp64 recount of the weights before and after says (counts exactly, |w| kept
+    to float32 rounding, or float64's for a float64 weight), and what it writes what
+    masked_fill_ writes, bit for bit (+0.0 where a weight is dropped). Small chunks make a
+    layer span many, the last one partial; a Conv1D weight is walked in its stored
+    orientation; a skipped layer is measured as it is."""
+    monkeypatch.setattr(prune_apply, "APPLY_CHUNK_ELEMENTS", 200)
+    model = nn.Sequential(nn.Linear(64, 40), Conv1D(nf=48, nx=64), nn.Linear(48, 36)).to(dtype)
+    with torch.no_grad():
+        for index, module in enumerate(model):
+            module.weight.copy_(awkward_weight(*module.weight.shape, dtype, seed=index))
+    before = weights(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")           # 36 rows are no multiple of 8: layer 2 skips 8x8
+        report = prune(model, pattern)
+    for index, module in enumerate(model):
+        w, original, layer = module.weight.detach(), before[str(index)], report[str(index)]
+        if layer.skipped:
+            assert torch.equal(bits(w), bits(original))
+        else:
+            matrix = original.t() if index == 1 else original          # Conv1D: stored [in, out]
+            pruned = matrix.masked_fill(~pattern_mask(pattern, matrix), 0)
+            assert torch.equal(bits(w), bits(pruned.t() if index == 1 else pruned))
+        numel = original.numel()
+        assert layer.density_before == int(torch.count_nonzero(original)) / numel
+        assert layer.density == int(torch.count_nonzero(w)) / numel
+        l1_before = float(original.double().abs().sum())
+        rel = 1e-12 if dtype == torch.float64 else 1e-6
+        assert layer.magnitude_kept == pytest.approx(float(w.double().abs().sum()) / l1_before,
+                                                     rel=rel, abs=0)
+
+
+def test_a_dropped_nan_becomes_zero_and_a_kept_one_is_reported():
+    """As masked_fill_ does: a NaN weight the criterion drops is zeroed, one it keeps stays and
+    makes the layer's |w| kept NaN (there is no L1 norm to compare); both count as non-zeros."""
+    layer = nn.Linear(8, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.arange(1.0, 17.0).view(2, 8))
+        layer.weight[0, 0] = float("nan")       # dropped: scored lowest
+        layer.weight[1, 4] = float("nan")       # kept: scored highest
+    scores = torch.arange(16.0).view(2, 8)
+    scores[1, 4] = 100.0
+    report = prune(nn.Sequential(layer), "2:4", criterion=lambda name, w: scores)
+    assert bits(layer.weight.detach())[0, 0] == 0
+    assert torch.isnan(layer.weight[1, 4])
+    assert report["0"].density_before == 1.0 and report["0"].density == 0.5
+    assert math.isnan(report["0"].magnitude_kept)
+
+
+def test_a_weight_that_is_not_floating_point_is_refused_before_anything_changes():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[1].weight = nn.Parameter(torch.randint(-4, 4, (8, 8)), requires_grad=False)
+    before = weights(model)
+    with pytest.raises(InputError, match="'1' has a torch.int64 weight"):
+        prune(model, "2:4")
+    assert all(torch.equal(w, before[name]) for name, w in weights(model).items())
 
 
 def test_pruning_twice_reports_the_density_before():

@@ -542,7 +542,10 @@ class CostModel:
         spec = min(trusted, key=lambda s: worst_ratio[s])
         if spec.kind == "dense":
             if fastest.kind == "dense":
-                others = ", ".join(f"{s} {summary(s)}" for s in pool if s.kind != "dense") or "no sparse format fits"
+                unpacked = [str(s) for s in times if s.kind != "dense" and s not in pool]
+                others = ", ".join(f"{s} {summary(s)}" for s in pool if s.kind != "dense") or (
+                    f"{', '.join(unpacked)} would run unpacked to dense on torch: a memory candidate only"
+                    if unpacked else "no sparse format fits")
                 return spec, f"dense is fastest: {summary(spec)} ({others})"
             return spec, (f"dense stays: {fastest} is predicted at {summary(fastest)} vs dense {summary(spec)}, "
                           f"not the {1 - DENSE_MARGIN:.0%} and {min_gain:g} us ahead a sparse choice needs")

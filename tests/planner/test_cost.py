@@ -388,6 +388,9 @@ def test_nm_on_torch_is_no_speed_candidate_but_a_memory_one(gen):
         return {spec: 1.0 if spec.kind == "nm" else 2.0 for spec in specs}
 
     assert str(CostModel("cpu").decide(stats, 64, None, measure_sites=noisy).choice) == "dense"
+    predicted = CostModel("cpu", measure=False).decide(stats, 64, None)
+    assert str(predicted.choice) == "dense" and "no sparse format fits" not in predicted.reason
+    assert "would run unpacked to dense on torch: a memory candidate only" in predicted.reason
     memory = CostModel("cpu", objective="memory", max_slowdown=10.0).decide(stats, 64, None)
     assert memory.choice.kind == "nm"
     forced = CostModel("cpu").decide(stats, 64, [FormatSpec.parse("2:4")], measure_sites=noisy)

@@ -262,3 +262,18 @@ def test_a_check_that_fails_leaves_the_planned_graph(monkeypatch, caplog):
         assert_rel_close(compiled(x), model(x), torch.float32)
     assert set(COMPILED[-1].plan.choices().values()) == {"2:4"}
     assert "was not timed against the dense one (no timer here)" in caplog.text
+
+
+def test_the_race_runs_both_compiled_graphs():
+    """Unpatched: both graphs Inductor compiled are run and timed, and whichever is kept computes
+    the model's output (the plan says which: all 2:4, or all dense with the times)."""
+    model = _pruned_mlp()
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+        assert_rel_close(compiled(2 * x), model(2 * x), torch.float32)
+    choices = set(COMPILED[-1].plan.choices().values())
+    assert choices in ({"2:4"}, {"dense"})
+    if choices == {"dense"}:
+        assert all("on the example inputs, the dense one" in s.reason for s in COMPILED[-1].plan)

@@ -21,7 +21,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: what the benchmarks import from here, the relative error among them: sparsecc's own
 #: (||got - want|| / ||want||, float64), the one compile's check and the tests use
 __all__ = ["RESULTS", "relative_error", "fixed_dispatch", "environment", "rotating", "time_eager_us",
-           "time_graph_us", "write", "bar_chart", "plot_per_dtype"]
+           "time_graph_us", "write", "bar_chart", "plot_per_dtype", "plot_generation_speedups"]
 
 
 def fixed_dispatch() -> None:
@@ -115,3 +115,35 @@ def plot_per_dtype(result: dict, path, draw, *, xlabel: str, title: str) -> None
     fig.suptitle(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_generation_speedups(result: dict, path, case_of, label_of, *, first_label: str, title: str) -> None:
+    """Per case (``case_of(row)``, labelled ``label_of(case)``), sparsecc's speedup over dense in
+    the time to the first token (``ttft_ms``, drawn as ``first_label``) and in decode tokens per
+    second (``tokens_per_s``); cases without both a dense and a sparsecc row are left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pairs = {}
+    for row in result["rows"]:
+        pairs.setdefault(case_of(row), {})[row["impl"]] = row
+    labels, first, decode = [], [], []
+    for case, rows in pairs.items():
+        if {"dense", "sparsecc"} <= set(rows):
+            dense, sparse = rows["dense"], rows["sparsecc"]
+            labels.append(label_of(case))
+            first.append(dense["ttft_ms"] / sparse["ttft_ms"])
+            decode.append(sparse["tokens_per_s"] / dense["tokens_per_s"]
+                          if sparse["tokens_per_s"] and dense["tokens_per_s"] else 0)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], first, 0.4, label=first_label)
+    ax.bar([i + 0.2 for i in x], decode, 0.4, label="decode tokens/s")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("sparsecc speedup over dense")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

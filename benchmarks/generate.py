@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import RESULTS, environment, fixed_dispatch, relative_error, write  # noqa: E402
+from common import RESULTS, environment, fixed_dispatch, plot_generation_speedups, relative_error, write  # noqa: E402
 
 if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
@@ -242,35 +242,10 @@ def main(argv=None) -> dict:
 
 def plot(result: dict, path) -> None:
     """Per case, sparsecc's speedup over dense: time to the first token and decode tokens per second."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    pairs = {}
-    for row in result["rows"]:
-        key = (row["model"], row["pattern"], row["batch"], row["mode"])
-        pairs.setdefault(key, {})[row["impl"]] = row
-    labels, first, decode = [], [], []
-    for (model, pattern, batch, mode), rows in pairs.items():
-        if {"dense", "sparsecc"} <= set(rows):
-            dense, sparse = rows["dense"], rows["sparsecc"]
-            labels.append(f"{model} {pattern}\nbatch {batch} {mode}")
-            first.append(dense["ttft_ms"] / sparse["ttft_ms"])
-            decode.append(sparse["tokens_per_s"] / dense["tokens_per_s"]
-                          if sparse["tokens_per_s"] and dense["tokens_per_s"] else 0)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], first, 0.4, label="time to first token")
-    ax.bar([i + 0.2 for i in x], decode, 0.4, label="decode tokens/s")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("sparsecc speedup over dense")
-    ax.set_title(f"generate, {result['device']}, torch {result['torch']}, transformers {result.get('transformers')}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
+    plot_generation_speedups(
+        result, path, lambda row: (row["model"], row["pattern"], row["batch"], row["mode"]),
+        lambda case: f"{case[0]} {case[1]}\nbatch {case[2]} {case[3]}", first_label="time to first token",
+        title=f"generate, {result['device']}, torch {result['torch']}, transformers {result.get('transformers')}")
 
 if __name__ == "__main__":
     main()

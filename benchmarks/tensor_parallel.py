@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, fixed_dispatch, write  # noqa: E402
+from common import environment, fixed_dispatch, plot_generation_speedups, write  # noqa: E402
 from generate import format_of, set_recompile_limit  # noqa: E402
 
 if __name__ == "__main__":
@@ -182,33 +182,11 @@ def main(argv=None) -> dict | None:
 
 def plot(result: dict, path) -> None:
     """sparsecc's speedup over dense per (world size, pattern, batch): prefill time and decode rate."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    pairs = {}
-    for row in result["rows"]:
-        pairs.setdefault((row["world_size"], row["pattern"], row["batch"]), {})[row["impl"]] = row
-    labels, prefill, decode = [], [], []
-    for (world, pattern, batch), rows in sorted(pairs.items()):
-        if {"dense", "sparsecc"} <= set(rows):
-            dense, sparse = rows["dense"], rows["sparsecc"]
-            labels.append(f"tp{world} {pattern}\nbatch {batch}")
-            prefill.append(dense["ttft_ms"] / sparse["ttft_ms"])
-            decode.append(sparse["tokens_per_s"] / dense["tokens_per_s"]
-                          if sparse["tokens_per_s"] and dense["tokens_per_s"] else 0)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], prefill, 0.4, label="prefill")
-    ax.bar([i + 0.2 for i in x], decode, 0.4, label="decode tokens/s")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("sparsecc speedup over dense")
-    ax.set_title(f"tensor parallel, {result['device']}, torch {result['torch']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
+    rows = sorted(result["rows"], key=lambda row: (row["world_size"], row["pattern"], row["batch"]))
+    plot_generation_speedups(
+        {**result, "rows": rows}, path, lambda row: (row["world_size"], row["pattern"], row["batch"]),
+        lambda case: f"tp{case[0]} {case[1]}\nbatch {case[2]}", first_label="prefill",
+        title=f"tensor parallel, {result['device']}, torch {result['torch']}")
 
 if __name__ == "__main__":
     main()

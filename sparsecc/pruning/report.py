@@ -24,8 +24,30 @@ class LayerReport:
     skipped: str | None = None
 
 
+class LayersByName:
+    """What a report of per-layer entries offers: ``report[name]``, iteration and length over its
+    ``layers``, and ``str(report)`` as its ``table()``."""
+
+    layers: list
+
+    def __getitem__(self, name: str):
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
 @dataclass
-class PruneReport:
+class PruneReport(LayersByName):
     """The result of :func:`sparsecc.pruning.prune`; ``report[name]`` gives one layer."""
 
     pattern: str
@@ -37,18 +59,6 @@ class PruneReport:
     not_pruned: dict[str, str] = field(default_factory=dict)
     #: weights pruned along with a pruned layer because they are the same tensor (tied), by layer
     tied: dict[str, list[str]] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> LayerReport:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise KeyError(name)
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self) -> int:
-        return len(self.layers)
 
     @property
     def pruned(self) -> list[LayerReport]:
@@ -86,6 +96,3 @@ class PruneReport:
         return {"pattern": self.pattern, "scope": self.scope, "criterion": self.criterion, "density": self.density,
                 "layers": [{**asdict(layer), "shape": list(layer.shape)} for layer in self.layers],
                 "not_pruned": dict(self.not_pruned), "tied": dict(self.tied)}
-
-    def __str__(self) -> str:
-        return self.table()

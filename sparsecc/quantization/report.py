@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..pruning.report import LayersByName
+
 
 @dataclass(frozen=True)
 class LayerQuantReport:
@@ -24,25 +26,13 @@ class LayerQuantReport:
 
 
 @dataclass
-class QuantReport:
+class QuantReport(LayersByName):
     """The result of :func:`sparsecc.quantization.quantize`; ``report[name]`` gives one layer."""
 
     scheme: str
     activations: str                 # "dynamic" or "static"
     layers: list[LayerQuantReport] = field(default_factory=list)
     calibration_batches: int = 0
-
-    def __getitem__(self, name: str) -> LayerQuantReport:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise KeyError(name)
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __len__(self) -> int:
-        return len(self.layers)
 
     def table(self) -> str:
         """A readable text table, one line per layer."""
@@ -63,6 +53,3 @@ class QuantReport:
         return {"scheme": self.scheme, "activations": self.activations,
                 "calibration_batches": self.calibration_batches,
                 "layers": [{**asdict(layer), "shape": list(layer.shape)} for layer in self.layers]}
-
-    def __str__(self) -> str:
-        return self.table()

@@ -78,6 +78,8 @@ class SparseGraph:
     cost_model: CostModel | None
     check_graph: bool = False
     plan: Plan | None = None
+    #: (rewritten, dense) microseconds per call from the last check; None where none ran
+    raced: tuple[float, float] | None = None
     rebuilds: int = 0
     _fn: object = None
     _watched: list[_Watched] = field(default_factory=list)
@@ -115,7 +117,7 @@ class SparseGraph:
                 try:
                     dense = compile_fx(_copy_of_dynamo_graph(self.original), list(inputs),
                                        config_patches=dict(self.config_patches))
-                    sparse_us, dense_us = _race(self._fn, dense, inputs)
+                    sparse_us, dense_us = self.raced = _race(self._fn, dense, inputs)
                 except Exception as error:  # noqa: BLE001 - the check only refines the choice
                     log.warning("sparsecc: the rewritten graph was not timed against the dense one (%s); it runs "
                                 "as planned", str(error).splitlines()[0] if str(error) else type(error).__name__)

@@ -76,6 +76,7 @@ def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     if cache is None or isinstance(cache, str):
         kwargs["cache_implementation"] = cache
     else:
+        _allocate(cache, model, input_ids.shape[0])
         cache.reset()
         kwargs[_cache_argument(model)] = cache
     pad = getattr(model.generation_config, "pad_token_id", None)
@@ -88,9 +89,24 @@ def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
                               pad_token_id=pad if pad is not None else 0, **kwargs)
 
 
+def _allocate(cache, model: nn.Module, batch: int) -> None:
+    """Make a static cache's tensors before the first forward. Left to the first forward, they are
+    made inside it; under torch.compile they are then not marked static, and CUDA graphs skip the
+    graph or fail (a compiled prefill is what this module's graphs mode runs)."""
+    layers = getattr(cache, "layers", ())
+    if not hasattr(cache, "early_initialization") or all(getattr(layer, "is_initialized", True) for layer in layers):
+        return
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parameter = next(model.parameters())
+    cache.early_initialization(batch, kv_heads, head_dim, parameter.dtype, parameter.device)
+
+
 def static_cache(model: nn.Module, max_cache_len: int):
     """A Hugging Face static cache for ``model`` holding up to ``max_cache_len`` tokens per sequence,
-    to pass to :func:`greedy` call after call (its tensors are made on the first call)."""
+    to pass to :func:`greedy` call after call (it makes the tensors before the first call)."""
     from transformers import StaticCache         # optional: only causal LMs generate
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 

@@ -30,8 +30,8 @@ from .errors import InputError
 
 #: untimed calls before timing a model whose forward is compiled for CUDA graphs with a static
 #: cache (torch.compile(mode="reduce-overhead"), or generate's own compile of the decode step): the
-#: first compiles with the cache still empty (it is made in the first forward), the second compiles
-#: again with it made and records the decode step, the third records the prompt's step
+#: first compiles and runs the graphs once, the second records them, the third replays them (a
+#: margin: prefill and decode are separate graphs, each warmed up on its own)
 GRAPH_WARMUP = 3
 
 
@@ -69,10 +69,13 @@ def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
            new_tokens: int, cache=None, streamer=None, **kwargs):
     """``model.generate`` greedily for exactly ``new_tokens`` tokens. ``cache``: None (the dynamic
     cache), a ``cache_implementation`` such as ``"static"`` (a new cache for the call), or a cache
-    object (e.g. :func:`static_cache`'s), emptied first and filled in place. Extra keyword arguments
+    object (e.g. :func:`static_cache`'s), emptied first and filled in place. A static cache's tensors
+    are made before the first forward (see :func:`_allocate`). Extra keyword arguments
     go to ``generate`` (``output_logits=True, return_dict_in_generate=True`` for the logits)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if cache == "static":
+        cache = static_cache(model, input_ids.shape[1] + new_tokens)
     if cache is None or isinstance(cache, str):
         kwargs["cache_implementation"] = cache
     else:
@@ -129,6 +132,8 @@ def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
                          f"{new_tokens}, {repeats}, {warmup}")
     if cache == "static":       # one per model, kept across the calls (see the module docstring)
         caches = {name: static_cache(model, input_ids.shape[1] + new_tokens) for name, model in models.items()}
+    elif isinstance(cache, dict):
+        caches = cache
     else:
         caches = {name: cache for name in models}
     for name, model in models.items():

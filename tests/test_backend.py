@@ -243,8 +243,8 @@ def test_a_graph_that_writes_in_place_is_not_run_again(monkeypatch):
 
 def test_racing_two_graphs_times_both():
     from sparsecc.backend import _race
-    slow, fast = nn.Linear(512, 512), nn.Linear(8, 8)
-    times = _race(lambda x: slow(x.repeat(1, 64)), lambda x: fast(x), [torch.randn(64, 8)])
+    slow, fast = nn.Linear(1024, 1024), nn.Linear(8, 8)     # ~0.5 GFLOP a call against ~1 kFLOP
+    times = _race(lambda x: slow(x.repeat(8, 128)), lambda x: fast(x), [torch.randn(64, 8)])
     assert all(t > 0 for t in times) and times[0] > times[1]
 
 

@@ -7,7 +7,7 @@ and ``gpt2`` (GPT2LMHeadModel, GPT-2 small: hidden 768, 12 layers). Each is prun
 ``sparsecc.prune`` (embeddings and the LM head left dense) to a pattern: ``2:4``,
 ``block64x64@0.1`` (64x64 blocks, 10% kept) or ``unstructured@0.5``. The ``dense`` impl is the
 pruned model as it is (cuBLAS); ``sparsecc`` is ``sparsecc.compile(model, prompts)``, planned for M
-from 1 (a decode step at batch 1) to batch x prompt length (the prefill).
+from the batch (a decode step) to batch x prompt length (the prefill).
 
 Modes, the same for both impls:
 

@@ -83,9 +83,10 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         m_range: ``(lo, hi)``, the batch sizes M the model will run at (e.g. ``(1, 8192)``
             for decode and prefill); each site is chosen for the whole range, bucket by
             bucket (see sparsecc.planner.cost). Default: the M of the example inputs; for a
-            model that generates (a Hugging Face causal LM, see :func:`generates`), from 1 to
-            that M: give it the prompts (batch x prompt length tokens, the prefill) and the
-            plan covers decoding too (one token per sequence, M = batch).
+            model that generates (a Hugging Face causal LM, see :func:`generates`), from the
+            batch (the example's first dimension) to that M: give it the prompts (batch x
+            prompt length tokens, the prefill) and the plan covers decoding too (one token per
+            sequence, M = batch).
         objective: ``"latency"`` (the fastest) or ``"memory"`` (the fewest bytes among the
             formats predicted within 10% of the fastest).
         verify: run the compiled model on the example inputs and raise if it does not match
@@ -149,7 +150,7 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
     m_range = check_m_range(m_range)
     seen = [s.m for s in sites if s.m]
     if m_range is None and seen and generates(model):
-        m_range = (1, max(seen))
+        m_range = (min(_batch_of(args, kwargs), max(seen)), max(seen))
     model_cost = cost_model or CostModel(target, objective=objective)
     untraced = {**refused, **traced.untraced}
     layouts = {s.name: shards[s.module_path].layout for s in sites if s.module_path in shards}
@@ -178,6 +179,12 @@ def generates(model: nn.Module) -> bool:
         return False
     can_generate = getattr(model, "can_generate", None)
     return bool(can_generate()) if callable(can_generate) else True
+
+
+def _batch_of(args, kwargs) -> int:
+    """The batch of a causal LM's example: the first dimension of its token ids (1 if unbatched)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 1
 
 
 def _parse_formats(formats) -> list[FormatSpec] | None:
@@ -229,10 +236,10 @@ def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allo
                                  measure_sites=cost_model.site_timer(site.weight, stats))
     return _site_plan(site, stats, decision.choice, decision.reason,
                       [Candidate(p.format, round(p.us, 3), p.nbytes, p.measured_us) for p in decision.candidates],
-                      decision.buckets, m_range)
+                      decision.buckets, m_range, decision.above)
 
 
-def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets, m_range=None) -> SitePlan:
+def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets, m_range=None, above=None) -> SitePlan:
     element = site.weight.element_size()
     after = next((c.nbytes for c in candidates if c.format == str(choice)), stats.numel * element)
     return SitePlan(
@@ -241,7 +248,7 @@ def _site_plan(site, stats, choice: FormatSpec, reason, candidates, buckets, m_r
         block_density={f"{h}x{w}": round(d, 6) for (h, w), d in stats.block_density.items()},
         candidates=candidates, choice=str(choice), reason=reason,
         bytes_before=stats.numel * element, bytes_after=after, buckets=buckets,
-        m_range=list(m_range) if m_range else None)
+        m_range=list(m_range) if m_range else None, above=above)
 
 
 def _replay(given: Plan, sites, stats, target, untraced, how: str = "replayed from a plan") -> Plan:
@@ -262,7 +269,7 @@ def _replay(given: Plan, sites, stats, target, untraced, how: str = "replayed fr
             raise PlanError(f"the plan runs the FP8 site {site.name} as {choice}: an FP8 site runs as "
                             f"{' or '.join(QUANTIZED_KINDS)} only")
         replayed.append(_site_plan(site, stats[site.name], choice, f"{how}: {entry.reason}",
-                                   entry.candidates, entry.buckets, entry.m_range))
+                                   entry.candidates, entry.buckets, entry.m_range, entry.above))
     return Plan(replayed, device=str(target), untraced=untraced)
 
 
@@ -291,7 +298,7 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
         entry = plan[site.name]
         lo, hi = entry.m_range or (site.m or DEFAULT_M,) * 2
         try:
-            packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True)
+            packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True, above=entry.above)
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":
                 raise

@@ -167,7 +167,7 @@ def test_bench_generate_times_a_causal_lm(tmp_path, capsys):
     assert cli.main(["bench", f"{script}:lm", "--generate", "--prune", "2:4", "--exclude", "*lm_head*", "*embed*",
                      "--formats", "2:4", "--device", "cpu", "--new-tokens", "4", "--repeats", "1", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["same_tokens"] is True and summary["m_range"] == [1, 16]
+    assert summary["same_tokens"] is True and summary["m_range"] == [2, 16]
     assert (summary["batch"], summary["prompt"], summary["new_tokens"]) == (2, 8, 4)
     assert [row["impl"] for row in summary["rows"]] == ["eager", "sparsecc"]
     assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in summary["rows"])

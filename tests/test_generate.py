@@ -107,17 +107,19 @@ def test_one_unpadded_sequence(name):
         assert_same_generation(generate(compiled, ids, mask, cache), generate(model, ids, mask, cache))
 
 
-def test_the_plan_of_a_causal_lm_covers_every_m_from_one_token_to_the_prompts():
+def test_the_plan_of_a_causal_lm_covers_every_m_from_one_token_per_sequence_to_the_prompts():
     model = pruned("llama", "2:4")
     ids = torch.randint(3, model.config.vocab_size, (3, 5))
     plan = sparsecc.plan(model, ids, formats=("2:4",))
     for site in plan:
-        assert site.m == 15 and site.m_range == [1, 15]
+        assert site.m == 15 and site.m_range == [3, 15]
         declared = [(b["m_lo"], b["m_hi"]) for b in site.buckets if b["declared"]]
-        assert declared == [(1, 1), (2, 16)]
+        assert declared == [(2, 16)]
     # the cost model's own choice says it covers the range
     chosen = sparsecc.plan(model, ids, cost_model=CostModel("cpu", measure=False))
-    assert all("M in 1..15" in site.reason for site in chosen if site.shape[0] != model.config.vocab_size)
+    assert all("M in 3..15" in site.reason for site in chosen if site.shape[0] != model.config.vocab_size)
+    # one sequence: from one token
+    assert all(site.m_range == [1, 5] for site in sparsecc.plan(model, ids[:1], formats=("2:4",)))
     # a model without an LM head is planned at the example's M, and m_range given wins
     assert all(site.m_range is None for site in sparsecc.plan(llama(), ids[:, :5] % 100, formats=("2:4",)))
     assert all(site.m_range == [4, 8] for site in sparsecc.plan(model, ids, formats=("2:4",), m_range=(4, 8)))

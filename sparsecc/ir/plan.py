@@ -15,6 +15,8 @@ from .._version import __version__
 from ..errors import PlanError
 
 PLAN_VERSION = 1
+#: a site's ``above`` where the batches past its small-batch kernels' rows run its dense weight
+ABOVE_DENSE = "dense"
 
 
 @dataclass
@@ -43,6 +45,9 @@ class SitePlan:
     bytes_after: int
     buckets: list[dict] = field(default_factory=list)
     m_range: list[int] | None = None    # the declared batch range the choice covers
+    #: what runs the batches past the small-batch kernels' rows where a 2:4 site's range reaches
+    #: beyond them: None (the choice's GEMMs) or ABOVE_DENSE (timed faster there than 2:4)
+    above: str | None = None
 
     @property
     def label(self) -> str:

@@ -24,7 +24,8 @@ from .csr_spmm import CsrSpmm
 from .csr_split import CsrSplit
 from .dense import SMALL as DENSE_SMALL
 from .dense import DenseGemm
-from .sparse24_small import GEMM, GEMV, MMA, choose, pack_24
+from . import sparse24_by_rows
+from .sparse24_small import GEMM, GEMV, MMA, choose
 
 BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
 
@@ -77,16 +78,29 @@ def candidates(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], pla
     return [family for family in serving(spec) if family.refuses(spec, shape, dtype) is None]
 
 
+def small_batch_tier(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], lo: int,
+                     hi: int) -> tuple[str, int] | None:
+    """For a site of ``spec`` planned over ``lo..hi`` rows that is packed twice (2:4: the
+    small-batch kernels at the low end, the GEMMs or the dense weight above), how the plan names
+    the small-batch kernels and the most rows they run; None where one packing serves the range."""
+    if spec != NM_2_4:
+        return None
+    tier = sparse24_by_rows.small_tier(dtype, shape, lo, hi)
+    return None if tier is None else (tier[0].unit, tier[1])
+
+
 def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: tuple[int, int] | None = None,
-         progress: bool = False) -> PackedWeight:
+         progress: bool = False, above: str | None = None) -> PackedWeight:
     """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known), its
     kernels loaded; the launches of the batches in ``tune_range`` are tuned first where they
-    may be (:mod:`sparsecc.kernels.tune`)."""
+    may be (:mod:`sparsecc.kernels.tune`). A 2:4 weight whose ``tune_range`` spans the
+    small-batch kernels' rows and the GEMMs' is packed for both, or for the small-batch kernels
+    and the dense weight where ``above`` says ``"dense"`` (:mod:`~sparsecc.kernels.sparse24_by_rows`)."""
     reason = refusal(spec, tuple(weight.shape), weight.dtype)
     if reason:
         raise InputError(reason)
     if spec == NM_2_4:
-        return pack_24(weight, m, tune_range=tune_range, progress=progress)
+        return sparse24_by_rows.pack(weight, m, tune_range=tune_range, progress=progress, above=above)
     if spec.kind == "csr":
         return pack_unstructured(weight, m, tune_range=tune_range, progress=progress)
     return BSR.pack(weight, spec, m, tune_range=tune_range, progress=progress)
@@ -139,12 +153,14 @@ def kernel_specs(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], d
 
 def plan_kernels(plan) -> list[KernelSpec]:
     """Every kernel a plan's sites need (its sites' ``choice``, ``dtype``, ``shape``, ``density``
-    and ``m``, the largest of a declared ``m_range`` where there is one)."""
+    and ``m``, or both ends of a declared ``m_range`` where there is one: a 2:4 site planned over
+    a range may run the small-batch kernels at its low end and the GEMMs at its top)."""
     specs: list[KernelSpec] = []
     for site in plan:
         dtype = getattr(torch, site.dtype, None)
         m_range = getattr(site, "m_range", None)
-        m = m_range[1] if m_range else site.m
+        rows = [m_range[1], m_range[0]] if m_range else [site.m]
         if isinstance(dtype, torch.dtype):
-            specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(site.shape), site.density, m)
+            for m in rows:
+                specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(site.shape), site.density, m)
     return list(dict.fromkeys(specs))

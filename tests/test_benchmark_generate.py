@@ -54,7 +54,7 @@ def test_a_tiny_run_on_the_cpu(tmp_path, monkeypatch):
         assert (dense["impl"], sparse["impl"]) == ("dense", "sparsecc")
         assert dense["pattern"] == sparse["pattern"] and dense["model"] == sparse["model"]
         assert bench.format_of(sparse["pattern"]) in sparse["choices"]
-        assert sparse["m_range"] == [1, 2 * 12] and sparse["M"] == 24
+        assert sparse["m_range"] == [2, 2 * 12] and sparse["M"] == 24
         assert sparse["same_tokens"] is True and sparse["steps_compared"] == 5
         assert sparse["rel_err"] <= TOLERANCE
         assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in (dense, sparse))

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, plot_per_dtype, relative_error, rotating, time_eager_us, time_graph_us, write  # noqa: E402
+from common import (environment, plot_per_dtype, relative_error, rotating, time_eager_us,  # noqa: E402
+                    time_graph_us, write)
 
 from sparsecc.ir.quant import dequantize, quantize_input, quantize_weight  # noqa: E402
 from sparsecc.runtime.torch_ops import linear_fp8, linear_fp8_scaled_mm, scaled_mm_refusal  # noqa: E402

@@ -68,7 +68,8 @@ def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
     return None if None in reasons else reasons[0]
 
 
-def quantized_dense(shape: tuple[int, int], device: torch.device | str) -> tuple[KernelFamily | None, str | None]:
+def quantized_dense(shape: tuple[int, int],
+                    device: torch.device | str) -> tuple[KernelFamily | None, str | None]:
     """The family that runs a quantized site that stays dense, with an e4m3 weight of ``shape``
     on ``device``, and why none does (one of the two is None). Its op takes any input and runs
     the reference op's product where the family cannot (another input dtype or device)."""

@@ -372,7 +372,8 @@ def scaled_mm_refusal(device: torch.device | str, shape: tuple[int, int],
                 f"sm_{capability[0]}{capability[1]}")
     if dtype is not None and dtype not in dtypes:
         names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        return f"torch._scaled_mm returns {names} with per-token scales on this GPU, not {str(dtype).replace('torch.', '')}"
+        return (f"torch._scaled_mm returns {names} with per-token scales on this GPU, "
+                f"not {str(dtype).replace('torch.', '')}")
     n, k = shape
     if not n or not k or n % SCALED_MM_MULTIPLE or k % SCALED_MM_MULTIPLE:
         return (f"torch._scaled_mm needs K and N to be multiples of {SCALED_MM_MULTIPLE} "

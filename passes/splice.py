@@ -6,7 +6,9 @@ Requires: fuse_epilogue ran (each site is one ``sparsecc::linear_dense`` node ca
 Ensures: a packed site is one call of its format's custom op, its packed tensors
 registered as buffers of the submodule ``sparsecc_packed`` and read with ``get_attr``; a
 dense site is plain torch ops (:func:`sparsecc.ops.linear_torch`), which Inductor fuses
-and eager runs without dispatch overhead; a quantized site that stays dense keeps the
+and eager runs without dispatch overhead; a quantized site that stays dense calls
+``sparsecc::linear_fp8_scaled_mm`` where ``torch._scaled_mm`` takes its weight on its device
+(and its input's dtype; :func:`~sparsecc.runtime.torch_ops.fp8_dense_op`), else keeps the
 ``sparsecc::linear_fp8`` node fuse_epilogue made, and a packed one calls its format's FP8 op
 with the same scales; weights and modules nothing reads any more are dropped from the graph
 module (modules it shares with the original model are never modified: see :func:`_drop_unused`).
@@ -20,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from sparsecc.ir.formats import PackedWeight
-from sparsecc.runtime.torch_ops import OP_FOR_FP8, OP_FOR_KIND, linear_torch
+from sparsecc.runtime.torch_ops import OP_FOR_FP8, OP_FOR_KIND, fp8_dense_op, linear_torch
 from sparsecc.ir.site import SITE_KEY
 
 from . import PassResult
@@ -38,7 +40,9 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassRe
             continue
         packed = decisions[site.name]
         if packed is None:
-            if not site.quantized:
+            if site.quantized:
+                node.target = fp8_dense_op(site.weight.device, tuple(site.weight.shape), site.input_dtype)
+            else:
                 node.target = linear_torch
         else:
             _call_packed_op(gm, node, site.name, packed, site.quantized)

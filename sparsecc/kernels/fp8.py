@@ -1,18 +1,22 @@
-"""FP8 kernel families: declared, not built yet.
+"""FP8 kernel families: what runs a quantized site's product.
 
-A quantized site (``sparsecc.quantize``: an e4m3 weight with per-channel scales) runs today on the
-reference ops of :mod:`sparsecc.runtime.torch_ops` (``linear_fp8``, ``linear_fp8_nm``) on every
-device: exact, not fast. Two GPU families are planned and answer only "not yet" here, so no plan
-can choose them and nothing pretends to run them:
+A quantized site (``sparsecc.quantize``: an e4m3 weight with per-channel scales) runs on the
+reference ops of :mod:`sparsecc.runtime.torch_ops` (``linear_fp8``, ``linear_fp8_nm``) wherever
+nothing faster takes it: exact, not fast.
 
-- FP8 dense: ``torch._scaled_mm`` (cuBLASLt) with a per-row input scale and a per-column weight
-  scale, the bias and activation in a following op or a fused CUTLASS epilogue;
-- FP8 2:4: a CUTLASS sm_90a sparse GEMM on e4m3 (``wgmma.sp`` with K = 64 per instruction, the
-  compressed 2:4 layout of e4m3, with 8-bit elements the metadata of a 4-byte chunk), the
-  input quantization as a prologue kernel (per-token amax, round to e4m3) and both scales
-  applied in the epilogue's visitor tree before the bias.
+- FP8 dense (:class:`Fp8ScaledMm`): ``torch._scaled_mm`` (cuBLASLt on Hopper) with a per-token
+  input scale and a per-channel weight scale, the bias and activation in a following op. It
+  needs a GPU of sm_89 or later, K and N multiples of 16 and an fp16 or bf16 input
+  (:func:`~sparsecc.runtime.torch_ops.scaled_mm_refusal`); its op,
+  ``sparsecc::linear_fp8_scaled_mm``, is the reference op wherever that is not so. Nothing is
+  generated, packed or tuned: the weight stays the layer's e4m3 tensor.
+- FP8 2:4: not built, and answers only "not yet" here, so no plan can choose it. It needs a
+  CUTLASS sm_90a sparse GEMM on e4m3 (``wgmma.sp`` with K = 64 per instruction, the compressed
+  2:4 layout of e4m3, with 8-bit elements the metadata of a 4-byte chunk), the input
+  quantization as a prologue kernel (per-token amax, round to e4m3) and both scales applied in
+  the epilogue's visitor tree before the bias.
 
-docs/kernels.md ("FP8") says what each will need and how it will be held to the reference ops.
+docs/kernels.md ("FP8") says what runs where and how each is held to the reference ops.
 """
 from __future__ import annotations
 
@@ -20,17 +24,50 @@ import torch
 
 from ..ir.formats import FormatSpec
 from ..ir.quant import FP8_DTYPES
+from ..runtime.torch_ops import linear_fp8_scaled_mm, scaled_mm_refusal
+from .base import KernelFamily
 
-#: why no generated kernel runs a quantized site yet
+#: why no kernel runs an FP8 format that has no family
 NOT_BUILT = {
-    "dense": "FP8 dense runs on the reference op: the torch._scaled_mm family is not built yet",
     "nm": "FP8 2:4 runs on the reference op: the sparse FP8 CUTLASS GEMM (sm_90a) is not built yet",
 }
 
 
-def refusal(spec: FormatSpec, dtype: torch.dtype) -> str | None:
-    """Why no kernel runs ``spec`` for a weight of ``dtype`` when it is an FP8 dtype (None for
-    other dtypes: the other families answer for them)."""
+class Fp8ScaledMm(KernelFamily):
+    """A dense e4m3 weight's product on ``torch._scaled_mm``: no template, no packing (the
+    weight is read as the layer stores it), no tuning (cuBLASLt chooses its own kernel)."""
+
+    name = "fp8-scaled-mm"
+    kind = "dense"
+    templates = ()
+    unit = "torch._scaled_mm (cuBLASLt, per-token and per-channel scales)"
+    op = linear_fp8_scaled_mm
+
+    def refuses(self, spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
+                device: torch.device | str | None = None, input_dtype: torch.dtype | None = None) -> str | None:
+        """Why this family cannot run ``spec`` for a weight of this shape and dtype on ``device``
+        (None: not known, so refused) for inputs of ``input_dtype`` (None: not known), or None."""
+        if spec.kind != "dense" or dtype not in FP8_DTYPES:
+            return f"{self.unit} runs dense e4m3 weights, not {spec} of {dtype}"
+        if device is None:
+            return f"{self.unit} runs on a GPU of sm_89 or later; the device is not known"
+        return scaled_mm_refusal(device, shape, input_dtype)
+
+    def kernel_specs(self, dtype, shape, spec, density, m) -> list:
+        return []                       # torch's kernel: nothing to build
+
+
+SCALED_MM = Fp8ScaledMm()
+
+
+def refusal(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int] | None = None,
+            device: torch.device | str | None = None) -> str | None:
+    """Why no kernel runs ``spec`` for a weight of ``dtype`` (and ``shape``, on ``device``) when it
+    is an FP8 dtype (None for other dtypes: the other families answer for them)."""
     if dtype not in FP8_DTYPES:
         return None
+    if spec.kind == "dense":
+        if shape is None:
+            return f"{SCALED_MM.unit} needs the weight's shape"
+        return SCALED_MM.refuses(spec, shape, dtype, device)
     return NOT_BUILT.get(spec.kind, f"no FP8 kernel runs {spec}: a quantized site runs as dense or n:m")

@@ -3,7 +3,8 @@ a weight (and why none can), how a chosen site is packed, and which kernels a pl
 
 The planner never names a family: it asks here. Adding a family is one module implementing
 :class:`~sparsecc.kernels.base.KernelFamily`, one template, and one entry in :data:`FAMILIES`.
-A quantized (FP8) weight has no family yet (:mod:`sparsecc.kernels.fp8` says why).
+A quantized (FP8) weight that stays dense runs on :data:`FP8_FAMILIES` where they take it, its
+n:m formats on the reference op (:mod:`sparsecc.kernels.fp8` says why).
 Compile plans sparse formats only (a dense site runs torch's GEMM, which Inductor can fuse);
 the dense families run a dense weight on sparsecc's own kernels where a caller asks for them.
 """
@@ -13,7 +14,8 @@ import torch
 
 from ..codegen.spec import KernelSpec
 from ..errors import InputError
-from ..ir.formats import NM_2_4, FormatSpec, PackedWeight
+from ..ir.formats import DENSE, NM_2_4, FormatSpec, PackedWeight
+from ..ir.quant import E4M3, FP8_DTYPES
 from ..runtime.timing import packed_runner, time_all_us
 from . import fp8
 from .base import KernelFamily
@@ -31,6 +33,8 @@ BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
 
 #: every kernel family, in the order their kernels are preferred where several serve a site
 FAMILIES: tuple[KernelFamily, ...] = (DenseGemm(), DENSE_SMALL, GEMM, GEMV, MMA, BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM)
+#: the families that run a quantized (FP8) site that stays dense, on torch's FP8 GEMM (nothing generated)
+FP8_FAMILIES: tuple[KernelFamily, ...] = (fp8.SCALED_MM,)
 #: the format kinds compile may choose a kernel family for
 PLANNED_KINDS = ("nm", "bsr", "csr")
 #: the batch an unstructured weight's kernels are timed at when the site's batch is not known
@@ -52,15 +56,29 @@ def serving(spec: FormatSpec) -> list[KernelFamily]:
     return [family for family in FAMILIES if family.kind == spec.kind]
 
 
-def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype) -> str | None:
-    """Why none of sparsecc's kernels runs ``spec`` for a weight of this shape and dtype, or None."""
-    quantized = fp8.refusal(spec, dtype)
-    if quantized:
-        return quantized
+def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
+            device: torch.device | str | None = None) -> str | None:
+    """Why none of sparsecc's kernels runs ``spec`` for a weight of this shape and dtype, or None
+    (an FP8 weight's dense product may run only where ``device`` is known and takes it)."""
+    if dtype in FP8_DTYPES:
+        return fp8.refusal(spec, dtype, shape, device)
     reasons = [family.refuses(spec, shape, dtype) for family in serving(spec)]
     if not reasons:
         return f"sparsecc has no kernel for {spec}"
     return None if None in reasons else reasons[0]
+
+
+def quantized_dense(shape: tuple[int, int],
+                    device: torch.device | str) -> tuple[KernelFamily | None, str | None]:
+    """The family that runs a quantized site that stays dense, with an e4m3 weight of ``shape``
+    on ``device``, and why none does (one of the two is None). Its op takes any input and runs
+    the reference op's product where the family cannot (another input dtype or device)."""
+    reason = None
+    for family in FP8_FAMILIES:
+        reason = family.refuses(DENSE, shape, E4M3, device)
+        if reason is None:
+            return family, None
+    return None, reason
 
 
 def packed_nbytes(spec: FormatSpec, stats, element: int) -> int | None:

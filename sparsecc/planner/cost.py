@@ -30,9 +30,10 @@ Sites whose candidates' times cannot depend on the weight's values share one tim
 reasons say so). ``CostModel(measure=False)`` chooses from the predictions alone.
 
 A quantized site (an e4m3 weight, made by ``sparsecc.quantize``) is decided apart
-(:meth:`CostModel.decide`): it has no kernel yet, so it stays dense (its FP8 reference op) unless
-``formats`` asks for an n:m format its weight fits. An FP8 format is a candidate only for an FP8
-weight, so a model that was not quantized never runs one.
+(:meth:`CostModel.decide`): it stays dense (on ``torch._scaled_mm`` where the registry's FP8 family
+takes it on this device, else on its FP8 reference op) unless ``formats`` asks for an n:m format
+its weight fits. An FP8 format is a candidate only for an FP8 weight, so a model that was not
+quantized never runs one.
 
 A model whose ops run one by one from the host (``op_by_op=True``: the ``torch.compile``
 backend without CUDA graphs) also pays each op's host time, and where the host sets the pace
@@ -462,7 +463,10 @@ class CostModel:
             return Decision(DENSE, f"FP8 site: formats=({names}): none fits the weight exactly or has an FP8 op "
                                    f"({', '.join(QUANTIZED_KINDS)}); stays dense", [])
         why = registry.refusal(NM_2_4, stats.shape, getattr(torch, stats.dtype))
-        return Decision(DENSE, f"FP8 site: stays dense on its reference op; {why} (formats=('2:4',) packs a "
+        family, not_there = registry.quantized_dense(stats.shape, self.device)
+        where = (f"runs on {family.unit} for the input dtypes it takes here (others on its reference op)" if family
+                 else f"runs on its reference op ({not_there})")
+        return Decision(DENSE, f"FP8 site: stays dense, {where}; {why} (formats=('2:4',) packs a "
                                "2:4 weight, same results)", [])
 
     def _extra_host_us(self, spec: FormatSpec) -> float:

@@ -4,19 +4,24 @@ Every op computes ``y = act(x' @ W^T + bias)`` where ``x' = x`` (``[..., K]``) o
 ``x_transposed``, ``x' = x^T`` (``x`` is ``[..., K, M]``), and stores ``y`` (``[..., N]``) or,
 with ``transpose_out``, ``y^T``. The ops differ only in how ``W`` arrives:
 
-=========================  ===============================================================
-``sparsecc::linear_dense``  ``weight [N, K]``
-``sparsecc::linear_nm``     ``values, indices`` of an n:m weight (see sparsecc.ir.formats)
-``sparsecc::linear_bsr``    ``crow, col, values [nnzb, h, w]``
-``sparsecc::linear_csr``    ``crow, col, values``
-``sparsecc::linear_fp8``    ``weight [N, K]`` in e4m3 and its scales (a quantized site)
-``sparsecc::linear_fp8_nm`` ``values, indices`` of an e4m3 n:m weight and its scales
-=========================  ===============================================================
+==================================  ==============================================================
+``sparsecc::linear_dense``          ``weight [N, K]``
+``sparsecc::linear_nm``             ``values, indices`` of an n:m weight (see sparsecc.ir.formats)
+``sparsecc::linear_bsr``            ``crow, col, values [nnzb, h, w]``
+``sparsecc::linear_csr``            ``crow, col, values``
+``sparsecc::linear_fp8``            ``weight [N, K]`` in e4m3 and its scales (a quantized site)
+``sparsecc::linear_fp8_nm``         ``values, indices`` of an e4m3 n:m weight and its scales
+``sparsecc::linear_fp8_scaled_mm``  as ``linear_fp8``, on ``torch._scaled_mm`` where it runs
+==================================  ==============================================================
 
-The FP8 ops compute :func:`sparsecc.ir.quant.fp8_product` (the input rounded to e4m3 per token
-or with its static scale, exact products summed in fp32, then both scales); they take an input
-of any floating dtype and return that dtype. They are the reference the GPU's FP8 kernels will
-be held to, not fast: they widen e4m3 to fp32 and run a dense fp32 product.
+The FP8 reference ops (``linear_fp8``, ``linear_fp8_nm``) compute
+:func:`sparsecc.ir.quant.fp8_product` (the input rounded to e4m3 per token or with its static
+scale, exact products summed in fp32, then both scales); they take an input of any floating dtype
+and return that dtype. They are the reference the GPU's FP8 kernels are held to, not fast: they
+widen e4m3 to fp32 and run a dense fp32 product. ``linear_fp8_scaled_mm`` rounds the input to
+e4m3 the same way and runs the product and the bias on ``torch._scaled_mm`` (cuBLASLt on Hopper)
+with the per-token and per-channel scales, its result in the input's dtype, where
+:func:`scaled_mm_refusal` allows; elsewhere it is ``linear_fp8``.
 
 The implementations here run on torch's own kernels on any device (dense GEMM, MKL/cuSPARSE
 CSR and BSR, or block products where torch has no BSR kernel for the dtype or block);
@@ -40,6 +45,7 @@ What every op accepts (checked by :func:`_prepare`, the same for all four):
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -49,7 +55,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..ir.epilogue import Activation, apply_activation
-from ..ir.quant import fp8_product
+from ..ir.quant import fp8_product, quantize_input
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")
 # the BSR and CSR tensors below are this module's own, short-lived: torch's beta notice about them
@@ -284,10 +290,10 @@ def linear_csr(x: Tensor, crow: Tensor, col: Tensor, values: Tensor, out_feature
 
 # ---------------------------------------------------------------------------- fp8
 
-def _fp8_site(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
-              bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
-    """An FP8 site on a dense e4m3 ``weight [N, K]``: checks as the module docstring says (any
-    floating input dtype), the product of :func:`~sparsecc.ir.quant.fp8_product`, the epilogue."""
+def _fp8_rows(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor], activation: str,
+              x_transposed: bool) -> tuple[Tensor, tuple[int, ...], Optional[Tensor]]:
+    """An FP8 site's arguments checked as the module docstring says (any floating input dtype):
+    ``x`` as ``[M, K]`` rows, the leading shape of the output rows, the bias in ``x``'s dtype."""
     Activation.parse(activation)
     if not x.is_floating_point():
         raise InputError(f"sparsecc FP8 linear: the input must be floating point, got {x.dtype}")
@@ -295,7 +301,14 @@ def _fp8_site(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Opti
         raise InputError(f"sparsecc FP8 linear: weight_scale has shape {tuple(weight_scale.shape)}, "
                          f"expected ({weight.shape[0]},)")
     x2d, lead = _rows(x, x_transposed, weight.shape[1])
-    bias = _check_bias(bias, weight.shape[0], x.dtype)
+    return x2d, lead, _check_bias(bias, weight.shape[0], x.dtype)
+
+
+def _fp8_site(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+              bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
+    """An FP8 site on a dense e4m3 ``weight [N, K]``: its arguments checked, the product of
+    :func:`~sparsecc.ir.quant.fp8_product`, the epilogue."""
+    x2d, lead, bias = _fp8_rows(x, weight, weight_scale, bias, activation, x_transposed)
     y = fp8_product(x2d, weight, weight_scale, input_scale)
     return _finish(y, lead, bias, activation, transpose_out, x.dtype)
 
@@ -322,6 +335,92 @@ def linear_fp8_nm(x: Tensor, values: Tensor, indices: Tensor, weight_scale: Tens
     weight, then :func:`_fp8_site`; the sums are those of the dense FP8 site."""
     weight = nm_to_dense(values.to(torch.float32), indices, n, m, in_features)
     return _fp8_site(x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out)
+
+
+#: torch._scaled_mm's FP8 GEMM needs K and N (the weight's two sides) to be multiples of this
+SCALED_MM_MULTIPLE = 16
+#: the GPUs torch._scaled_mm takes per-row and per-column fp32 scales on (cuBLASLt on Hopper,
+#: CUTLASS on Ada and Blackwell), and the output dtypes each gives: fp16 only through cuBLASLt
+SCALED_MM_DTYPES = {(8, 9): (torch.bfloat16,), (9, 0): (torch.float16, torch.bfloat16),
+                    (10, 0): (torch.bfloat16,)}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of the CUDA GPU ``device`` (None: not a CUDA GPU torch can use)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scaled_mm_refusal(device: torch.device | str, shape: tuple[int, int],
+                      dtype: torch.dtype | None = None) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run the product of an FP8 site with an e4m3 weight of
+    ``shape`` (``[N, K]``) on ``device`` for an input of ``dtype`` (None: any it may take), or
+    None where it can."""
+    capability = _capability(torch.device(device))
+    if capability is None:
+        return "torch._scaled_mm runs FP8 products on a CUDA GPU"
+    dtypes = SCALED_MM_DTYPES.get(capability)
+    if dtypes is None:
+        supported = ", ".join(f"sm_{major}{minor}" for major, minor in SCALED_MM_DTYPES)
+        return (f"torch._scaled_mm takes per-token input scales on {supported}; this GPU is "
+                f"sm_{capability[0]}{capability[1]}")
+    if dtype is not None and dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        return (f"torch._scaled_mm returns {names} with per-token scales on this GPU, "
+                f"not {str(dtype).replace('torch.', '')}")
+    n, k = shape
+    if not n or not k or n % SCALED_MM_MULTIPLE or k % SCALED_MM_MULTIPLE:
+        return (f"torch._scaled_mm needs K and N to be multiples of {SCALED_MM_MULTIPLE} "
+                f"(this weight is {n}x{k})")
+    return None
+
+
+def scaled_mm_product(x2d: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+                      bias: Optional[Tensor]) -> Tensor:
+    """:func:`~sparsecc.ir.quant.fp8_product` plus ``bias`` (``[N]`` in ``x2d``'s dtype, or None)
+    on ``torch._scaled_mm``, in ``x2d``'s dtype, where :func:`scaled_mm_refusal` allows. The input
+    is rounded to e4m3 by the same :func:`~sparsecc.ir.quant.quantize_input`; the exact e4m3
+    products are summed in fp32 (``use_fast_accum=False``), scaled by ``s_x [M, 1]`` and
+    ``s_w [1, N]``, the bias added and the sum rounded once to the output dtype, as the
+    reference op rounds it: only the order of the sums differs."""
+    x_q, x_scale = quantize_input(x2d, input_scale)
+    rows = x2d.shape[0]
+    scale_a = x_scale.to(torch.float32).reshape(-1, 1).expand(rows, 1).contiguous()    # per token, or static
+    scale_b = weight_scale.to(torch.float32).reshape(1, -1).contiguous()
+    # row-major x_q [M, K] times a column-major [K, N] (the transpose of the row-major weight)
+    return torch._scaled_mm(x_q.contiguous(), weight.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+                            bias=bias, out_dtype=x2d.dtype, use_fast_accum=False)
+
+
+@_define("linear_fp8_scaled_mm(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+         "str activation, bool x_transposed, bool transpose_out) -> Tensor",
+         lambda x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out:
+         x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out)))
+def linear_fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
+                         bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
+    """A quantized site with a dense e4m3 weight, its product and bias on ``torch._scaled_mm``
+    where that runs (:func:`scaled_mm_product`), the activation after it in the input's dtype;
+    elsewhere (another device, GPU, input dtype or shape, or no rows) exactly ``linear_fp8``."""
+    if scaled_mm_refusal(x.device, tuple(weight.shape), x.dtype) is not None or not x.numel():
+        return _fp8_site(x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out)
+    x2d, lead, bias = _fp8_rows(x, weight, weight_scale, bias, activation, x_transposed)
+    y = scaled_mm_product(x2d, weight, weight_scale, input_scale, bias)
+    return _finish(y, lead, None, activation, transpose_out, x.dtype)
+
+
+def fp8_dense_op(device: torch.device | str, shape: tuple[int, int], dtype: torch.dtype | None = None):
+    """The op a quantized site that stays dense runs: ``linear_fp8_scaled_mm`` where
+    ``torch._scaled_mm`` takes its weight on ``device`` (and its input's ``dtype`` where known),
+    else the reference ``linear_fp8``."""
+    if scaled_mm_refusal(device, shape, dtype) is None:
+        return linear_fp8_scaled_mm
+    return linear_fp8
 
 
 #: the op that runs each format family

@@ -118,7 +118,9 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
             replaced[part.path] = part.module()
     compiled = tracing.assemble(prepared.model, replaced)
     compiled.sparsecc_plan = prepared.plan
-    compiled.register_forward_pre_hook(PackedSources(prepared.model, prepared.sites, decisions))
+    sources = PackedSources(prepared.model, prepared.sites, decisions)
+    if sources.watched:                      # nothing packed: no check to run before each call
+        compiled.register_forward_pre_hook(sources)
     if verify:
         _verify(compiled, prepared)
     return compiled
@@ -334,14 +336,23 @@ class PackedSources:
     would leave the packed copy stale, so the call is refused with the fix instead (sites that
     stayed dense read the model's weight and follow it). Weak references: the compiled module
     keeps no weight alive. Skipped while torch.compile traces the module; a module saved and
-    loaded again has no model to compare with."""
+    loaded again has no model to compare with. With nothing packed there is nothing to check, and
+    compile registers none (a hook costs each call, e.g. each generated token).
+
+    Each watched weight costs two attribute reads per call (its version, its owner's parameter),
+    about 0.2 us on a CPU core: 22 us for the 112 linear layers of a Llama-1B. A weight several
+    sites share (a layer called twice) is watched once."""
 
     def __init__(self, model: nn.Module, sites: list[LinearSite], decisions: dict):
         self.watched = []
+        seen = set()
         for site in sites:
             if decisions.get(site.name) is None:
                 continue
             path = ".".join(p for p in (site.module_path, site.weight_name) if p)
+            if path in seen:
+                continue
+            seen.add(path)
             owner_path, _, attribute = path.rpartition(".")
             try:
                 owner = model.get_submodule(owner_path)

@@ -220,8 +220,8 @@ def test_hugging_face_models_compile_and_match(build):
 def test_parts_whose_sites_all_stay_dense_keep_the_model_modules(gen):
     """A traced part whose sites all stay dense would compute what its module computes: compile
     keeps the model's module there (no graph in its place for Python to run and torch.compile to
-    guard on). A part with a packed site is replaced, and so is a patch convolution rewritten as a
-    linear, dense or not."""
+    guard on), and with nothing packed it adds no check before each call. A part with a packed
+    site is replaced, and so is a patch convolution rewritten as a linear, dense or not."""
     model = llama()
     with torch.no_grad():
         for layer in model.layers:
@@ -238,6 +238,7 @@ def test_parts_whose_sites_all_stay_dense_keep_the_model_modules(gen):
     dense = sparsecc.compile(model, ids, formats=("dense",))
     assert type(dense) is type(model) and dense is not model
     assert all(a is b for a, b in zip(dense.children(), model.children()))
+    assert not dense._forward_pre_hooks
     with torch.no_grad():
         assert torch.equal(dense(ids).last_hidden_state, model(ids).last_hidden_state)
     patches = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Flatten()).eval()

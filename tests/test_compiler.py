@@ -217,6 +217,37 @@ def test_hugging_face_models_compile_and_match(build):
             assert_rel_close(compiled(other).last_hidden_state, model(other).last_hidden_state, torch.float32, factor=10)
 
 
+def test_parts_whose_sites_all_stay_dense_keep_the_model_modules(gen):
+    """A traced part whose sites all stay dense would compute what its module computes: compile
+    keeps the model's module there (no graph in its place for Python to run and torch.compile to
+    guard on), and with nothing packed it adds no check before each call. A part with a packed
+    site is replaced, and so is a patch convolution rewritten as a linear, dense or not."""
+    model = llama()
+    with torch.no_grad():
+        for layer in model.layers:
+            for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.copy_(n_m(*linear.weight.shape, 2, 4, gen))
+    ids = torch.randint(0, 100, (2, 8))
+    compiled = sparsecc.compile(model, ids, formats=("2:4",))
+    assert {c for n, c in compiled.sparsecc_plan.choices().items() if "mlp" in n} == {"2:4"}
+    for layer, original in zip(compiled.layers, model.layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert getattr(layer.self_attn, name) is getattr(original.self_attn, name)
+        assert isinstance(layer.mlp, torch.fx.GraphModule)
+    assert compiled._forward_pre_hooks
+    dense = sparsecc.compile(model, ids, formats=("dense",))
+    assert type(dense) is type(model) and dense is not model
+    assert all(a is b for a, b in zip(dense.children(), model.children()))
+    assert not dense._forward_pre_hooks
+    with torch.no_grad():
+        assert torch.equal(dense(ids).last_hidden_state, model(ids).last_hidden_state)
+    patches = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Flatten()).eval()
+    compiled = sparsecc.compile(patches, torch.randn(2, 3, 8, 8), formats=("dense",))
+    assert list(compiled.sparsecc_plan.choices().values()) == ["dense"]
+    assert isinstance(compiled, torch.fx.GraphModule)
+    assert not any(isinstance(module, nn.Conv2d) for module in compiled.modules())
+
+
 def test_fused_epilogues_in_hugging_face_blocks():
     plan = sparsecc.plan(llama(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
     assert plan["layers.0.mlp.gate_proj"].epilogue == "silu"

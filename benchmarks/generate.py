@@ -24,7 +24,9 @@ from the call to the first new token on the host; ``tokens_per_s``: the tokens g
 first (every sequence counted) over the time they took. ``rel_err``: the largest relative error of
 a step's logits against the dense model's, over the steps before the first token on which the two
 differ (``steps_compared``; after it they continue different texts); ``same_tokens``: whether all
-generated tokens agree (fp16 can flip a near-tie). Within a model and batch the dense model is
+generated tokens agree (fp16 can flip a near-tie); ``choices``: sparsecc's sites per format, and
+``dense_above_small_batches`` those among them that run their dense weight past the small-batch
+kernels' rows (the prefill). Within a model and batch the dense model is
 compiled once: each pattern's pruned weights are copied into it in place (CUDA graphs read them
 where they are), so only sparsecc's graphs are compiled per pattern.
 
@@ -180,6 +182,7 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "steps_compared": None if impl == "dense" else quality["steps_compared"],
                    "same_tokens": None if impl == "dense" else quality["same_tokens"],
                    "choices": None if impl == "dense" else choices,
+                   "dense_above_small_batches": None if impl == "dense" else sum(s.above == "dense" for s in plan),
                    "m_range": None if impl == "dense" else (plan.sites[0].m_range if plan.sites else None),
                    "weight_bytes": plan.bytes_before if impl == "dense" else plan.bytes_after}
             rows.append(row)

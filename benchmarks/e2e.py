@@ -22,7 +22,9 @@ fp16, microseconds per call from Python (``us_eager``; ``us`` is left null): the
 sees whether the host or the GPU sets the pace. The implementations of a model are compiled
 first, then timed in :data:`ROUNDS` interleaved rounds, each keeping its median, so that a
 drift of the host's speed during the run reaches them all alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
-(the first call) and ``sparse_sites`` (sites that run a sparse format, of ``sites``).
+(the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``) and, for the
+backend, ``graphs_raced``: per graph it raced, the microseconds per call of the rewritten and the
+dense graph on the example inputs (the faster by 2% was kept).
 ``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
 (``torch.compile(model, backend="sparsecc", mode="reduce-overhead")``) and sparsecc-graphs
@@ -154,7 +156,8 @@ def main(argv=None) -> dict:
                               "density": round(report.density, 4), "block": 64 if "block" in pattern else None,
                               "us": None, "us_eager": None, "rel_err": relative_error(out, reference),
                               "compile_s": round(compile_s, 1), "sites": len(choices),
-                              "sparse_sites": sum(c != "dense" for c in choices)}
+                              "sparse_sites": sum(c != "dense" for c in choices),
+                              "graphs_raced": [list(g.raced) for g in COMPILED[before:] if g.raced is not None]}
             times = {impl: [] for impl in compiled}
             for _ in range(ROUNDS):
                 for impl, fn in compiled.items():

@@ -71,6 +71,12 @@ def time_graph_us(fn, *, calls=10, warmup_ms=10, rep_ms=40) -> float:
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3 / calls
 
 
+def failed(row: dict, error: Exception) -> None:
+    """Record in ``row`` that its implementation raised ``error``: no times, the error's first 300
+    characters (a benchmark goes on with the other implementations)."""
+    row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+
+
 def write(result: dict, *, stem: str | None = None) -> Path:
     """Write ``result`` to benchmarks/results/<bench>-<gpu>-<date>.json and return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import environment, fixed_dispatch, relative_error, time_eager_us, time_graph_us, write  # noqa: E402
+from common import (environment, failed, fixed_dispatch, relative_error, time_eager_us, time_graph_us,  # noqa: E402
+                    write)
 
 if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
                         row["us"] = time_graph_us(fn)
                         row["us_eager"] = time_eager_us(fn)
                     except Exception as error:  # noqa: BLE001
-                        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+                        failed(row, error)
                     point.append(row)
                 if not args.dense_only:
                     point.append(measure_nonfinite_pass(x, sparse, base))
@@ -211,7 +212,7 @@ def measure_launch(launch, x, w, bias, packed, ref, base) -> dict:
         row["us"] = time_graph_us(fn)
         row["us_eager"] = None
     except Exception as error:  # noqa: BLE001
-        row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+        failed(row, error)
     return row
 
 

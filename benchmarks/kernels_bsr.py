@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import (environment, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
+from common import (environment, failed, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
                     time_eager_us, time_graph_us, write)
 
 if __name__ == "__main__":
@@ -137,7 +137,7 @@ def measure_point(w, w_bsr, bias, packed, unchecked, m, block, density, name, ge
             row["us"] = time_graph_us(fn)
             row["us_eager"] = time_eager_us(fn)
         except Exception as error:  # noqa: BLE001 - recorded in the results
-            row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+            failed(row, error)
         point.append(row)
     kernel = kernel_for(packed.kernels, m)[0]
     y = torch.empty(m, n, dtype=dtype, device="cuda")

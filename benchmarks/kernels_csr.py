@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import (environment, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
+from common import (environment, failed, fixed_dispatch, plot_per_dtype, relative_error, rotating,  # noqa: E402
                     time_eager_us, time_graph_us, write)
 
 if __name__ == "__main__":
@@ -153,7 +153,7 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
                 row["us"], row["graph"] = time_graph_us(fn, calls=copies), True
             row["copies"] = copies
         except Exception as error:  # noqa: BLE001 - recorded in the results
-            row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+            failed(row, error)
         point.append(row)
     print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} d={density:<5g} " + " ".join(
         f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import (environment, plot_per_dtype, relative_error, rotating, time_eager_us,  # noqa: E402
+from common import (environment, failed, plot_per_dtype, relative_error, rotating, time_eager_us,  # noqa: E402
                     time_graph_us, write)
 
 from sparsecc.ir.quant import dequantize, quantize_input, quantize_weight  # noqa: E402
@@ -100,7 +100,7 @@ def measure_point(weight, weight_scale, dense, bias, m, name, gen, reference) ->
             row["us"] = time_graph_us(fn)
             row["us_eager"] = time_eager_us(fn)
         except Exception as error:  # noqa: BLE001 - recorded in the results
-            row.update(us=None, us_eager=None, rel_err=None, error=f"{type(error).__name__}: {error}"[:300])
+            failed(row, error)
         point.append(row)
     print(f"{name:8s} M={m:5d} N={n:5d} K={k:5d} " + " ".join(
         f"{r['impl']}={r['us']:8.1f}" if r["us"] else f"{r['impl']}=   -    " for r in point), flush=True)

@@ -59,6 +59,15 @@ def nonzero_randn(*shape, generator=None, dtype=torch.float32) -> torch.Tensor:
     return (x + x.sign() * 0.1).to(dtype)
 
 
+def with_nonzero_weights(model):
+    """``model`` with every linear weight drawn by :func:`nonzero_randn` (the global generator)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(nonzero_randn(*module.weight.shape))
+    return model
+
+
 def unstructured(rows, cols, density, generator=None, dtype=torch.float32) -> torch.Tensor:
     w = nonzero_randn(rows, cols, generator=generator)
     return (w * (torch.rand(rows, cols, generator=generator) < density)).to(dtype)

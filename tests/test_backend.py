@@ -182,6 +182,11 @@ def test_inductor_keeps_parameters_and_packed_weights_as_constant_inputs(monkeyp
     assert len(static) == inputs - 1
 
 
+def _checked(model):
+    """``model`` under the backend with 2:4 forced and the whole-graph check on."""
+    return torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+
+
 def _pruned_mlp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
@@ -202,7 +207,7 @@ def test_the_rewritten_graph_runs_only_if_faster_than_the_dense_one(monkeypatch,
 
     monkeypatch.setattr(backend, "_race", race)
     model = _pruned_mlp()
-    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    compiled = _checked(model)
     x = torch.randn(4, 64)
     with torch.no_grad():
         assert_rel_close(compiled(x), model(x), torch.float32)
@@ -233,7 +238,7 @@ def test_a_graph_that_writes_in_place_is_not_run_again(monkeypatch):
             return self.body(x)
 
     model = Counting()
-    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    compiled = _checked(model)
     x = torch.randn(4, 64)
     with torch.no_grad():
         compiled(x)
@@ -256,7 +261,7 @@ def test_a_check_that_fails_leaves_the_planned_graph(monkeypatch, caplog):
 
     monkeypatch.setattr(backend, "_race", broken)
     model = _pruned_mlp()
-    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    compiled = _checked(model)
     x = torch.randn(4, 64)
     with torch.no_grad():
         assert_rel_close(compiled(x), model(x), torch.float32)
@@ -268,7 +273,7 @@ def test_the_race_runs_both_compiled_graphs():
     """Unpatched: both graphs Inductor compiled are run and timed, and whichever is kept computes
     the model's output (the plan says which: all 2:4, or all dense with the times)."""
     model = _pruned_mlp()
-    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+    compiled = _checked(model)
     x = torch.randn(4, 64)
     with torch.no_grad():
         assert_rel_close(compiled(x), model(x), torch.float32)

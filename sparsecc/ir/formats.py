@@ -103,8 +103,8 @@ NM_2_4 = FormatSpec("nm", n=2, m=4)
 class PackedWeight:
     """A weight in one format. Subclasses define the tensors and how to unpack them.
 
-    ``tensors()`` are the packed arrays in the order the format's custom op takes them,
-    ``scalars()`` the integers that follow them.
+    ``tensors()`` are the packed arrays in the order the format's custom op takes them (an
+    optional one may be None), ``scalars()`` the integers that follow them.
     """
 
     spec: FormatSpec
@@ -121,7 +121,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -179,10 +179,6 @@ class KernelWeight(PackedWeight):
     def scalars(self):
         return {"out_features": self.out_features, "in_features": self.in_features}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
-
     def running(self, table: list[tuple[int, Launch]], flags: int = 0) -> "KernelWeight":
         """This weight with ``table`` as its dispatch (the same tensors)."""
         return dataclasses.replace(self, kernels=dispatch_string(table, flags))

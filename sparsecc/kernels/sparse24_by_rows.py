@@ -74,10 +74,6 @@ class ByRowsWeight(PackedWeight):
         return {"out_features": self.small.out_features, "in_features": self.small.in_features,
                 "limit": self.limit}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
-
     def to_dense(self) -> Tensor:
         return self.small.to_dense()
 

@@ -433,12 +433,13 @@ class CostModel:
         if timing and not over_budget:
             start = time.perf_counter()
             measured = self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m))
-            low = self._small_batch_end(stats, shortlist, declared)
-            low_measured = self._timed_settled(lambda: measure_sites(shortlist, low, low)) if low else {}
+            tier = self._small_batch_tier(stats, shortlist, declared)
+            low = declared[0]
+            low_measured = self._timed_settled(lambda: measure_sites(shortlist, low, low)) if tier else {}
             self.timing_spent_s += time.perf_counter() - start
             decision = self._choose_by_timing(stats, shortlist, times, predictions, buckets, measured, at_m, where,
                                               planned_m)
-            return self._with_small_batches(decision, stats, declared, low_measured) if low else decision
+            return self._with_small_batches(decision, tier, low, low_measured) if tier else decision
         spec, why = self._choose(pool, times, worst_ratio, predictions)
         budget = (f"; not timed: this plan's timing budget of {self.timing_budget_s:g} s is spent"
                   if over_budget else "")
@@ -492,27 +493,26 @@ class CostModel:
         return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec, planned_m)}; {why}",
                         predictions, buckets)
 
-    def _small_batch_end(self, stats: WeightStats, shortlist, declared: tuple[int, int]) -> int | None:
-        """The low end of a declared range where 2:4 would run there on other kernels than at its
-        top (the small-batch ones, :func:`~sparsecc.kernels.registry.small_batch_tier`), so the
-        shortlist is timed there too; else None."""
+    def _small_batch_tier(self, stats: WeightStats, shortlist, declared: tuple[int, int]) -> tuple[str, int] | None:
+        """Where 2:4 would run the low end of a declared range on other kernels than its top (the
+        small-batch ones), how the plan names them and the most rows they run
+        (:func:`~sparsecc.kernels.registry.small_batch_tier`): the shortlist is timed there too.
+        None otherwise."""
         if NM_2_4 not in shortlist or not self.uses_kernel(stats, NM_2_4) or declared[0] == declared[1]:
             return None
-        tier = registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
-        return declared[0] if tier else None
+        return registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
 
-    def _with_small_batches(self, decision: Decision, stats: WeightStats, declared: tuple[int, int],
+    def _with_small_batches(self, decision: Decision, tier: tuple[str, int], low: int,
                             low_measured: dict) -> Decision:
         """``decision`` (made at the top of the range) with what the timing at its low end adds:
         where 2:4 on the small-batch kernels beat dense there by the margin, the site runs 2:4 up
         to the rows those kernels serve, and above them 2:4's GEMMs if 2:4 was chosen at the top,
         else the dense weight (``above="dense"``)."""
-        low = declared[0]
         measured = {FormatSpec.parse(str(s)): us for s, us in low_measured.items()}
         sparse, dense = measured.get(NM_2_4), measured.get(DENSE)
         if sparse is None or dense is None:
             return decision
-        unit, limit = registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
+        unit, limit = tier
         note = f"at M={low}, the range's low end, 2:4 on {unit} timed {sparse:.1f} us, dense {dense:.1f} us"
         margin = MEASURED_MARGIN["cuda" if self.device.type == "cuda" else "cpu"]
         if sparse > margin * dense or decision.choice not in (NM_2_4, DENSE):

@@ -64,11 +64,8 @@ def test_each_call_runs_the_tier_of_its_rows(monkeypatch, gen, dense_above):
 
 
 def _decide_after_top(monkeypatch, top: Decision, low_us: dict) -> Decision:
-    monkeypatch.setattr("sparsecc.kernels.registry.small_batch_tier",
-                        lambda spec, dtype, shape, lo, hi: ("the small-batch kernel", 1))
-    model = CostModel("cpu", measure=False)
-    stats = type("Stats", (), {"dtype": "float16", "shape": (256, 512)})()
-    return model._with_small_batches(top, stats, (1, 512), low_us)
+    """``top`` after timings ``low_us`` at M = 1, where the small-batch kernel runs up to one row."""
+    return CostModel("cpu", measure=False)._with_small_batches(top, ("the small-batch kernel", 1), 1, low_us)
 
 
 def test_dense_at_the_top_but_2_4_at_the_low_end_runs_both(monkeypatch):

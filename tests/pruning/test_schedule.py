@@ -7,17 +7,13 @@ from sparsecc.errors import InputError
 from sparsecc.pruning import GradualPruning, attach_to_optimizer, prune, remove_masks
 from sparsecc.pruning.allocation import erk_densities
 
-from conftest import nonzero_randn
+from conftest import with_nonzero_weights
+from models import mlp as build_mlp
 
 
 def mlp(seed=0):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-    with torch.no_grad():
-        for module in model:
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(nonzero_randn(*module.weight.shape))
-    return model
+    return with_nonzero_weights(build_mlp((32, 64, 64, 8)))
 
 
 def kept(model):

@@ -11,18 +11,15 @@ from sparsecc.pruning import prune
 from sparsecc.pruning.masks import kept_count
 from sparsecc.pruning.wanda import row_masks
 
-from conftest import nonzero_randn
+from conftest import nonzero_randn, with_nonzero_weights
+from models import mlp
 from pruning.test_prune import Conv1D
 
 
 def model_and_batches(seed=0):
     """A 3-layer MLP whose input features differ in scale by ~100x, and calibration batches."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 16))
-    with torch.no_grad():
-        for module in model:
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(nonzero_randn(*module.weight.shape))
+    model = with_nonzero_weights(mlp((32, 48, 32, 16)))
     scale = torch.logspace(-1, 1, 32)[torch.randperm(32)]
     batches = [torch.randn(8, 32) * scale for _ in range(4)]
     return model, batches

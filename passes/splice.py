@@ -62,6 +62,9 @@ def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: Packed
     with gm.graph.inserting_before(node):
         tensors = []
         for field, tensor in packed.tensors().items():
+            if tensor is None:          # an optional array the format leaves out: the op takes None
+                tensors.append(None)
+                continue
             holder.register_buffer(f"{prefix}__{field}", tensor)
             tensors.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
     if quantized:

@@ -75,3 +75,20 @@ def test_shared_weight_packed_once_per_site_name(gen):
     splice.run(gm, {"w": packed, "w#2": packed})
     assert not any(n.op == "get_attr" and n.target == "w" for n in gm.graph.nodes)
     assert_rel_close(gm(x), model(x), torch.float32)
+
+
+def test_an_array_a_format_leaves_out_is_passed_as_none(gen):
+    """A 2:4 site packed by rows with the dense weight above its small-batch limit has no
+    metadata on its large tier: the op gets None, and no buffer stands for it."""
+    from sparsecc.kernels.sparse24_by_rows import ByRowsWeight
+    from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
+
+    model, x = TwoLayers(gen), torch.randn(3, 32, generator=gen)
+    gm, sites = prepared(model, x)
+    weight = sites[0].weight.detach()
+    packed = ByRowsWeight(Sparse24GemvWeight.pack(weight).running([]), 2, None, weight)
+    splice.run(gm, {"a.weight": packed})
+    reads = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert "sparsecc_packed.a_weight__large_values" in reads
+    assert not any(target.endswith("large_metadata") for target in reads)
+    assert_rel_close(gm(x), model(x), torch.float32)      # 3 rows: above the limit, the dense tier

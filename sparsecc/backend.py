@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import operator
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -115,7 +116,7 @@ class SparseGraph:
             packed = any(d is not None for d in decisions.values())
             if self.check_graph and packed and _can_run_again(self.original, inputs):
                 try:
-                    dense = compile_fx(_copy_of_dynamo_graph(self.original), list(inputs),
+                    dense = compile_fx(_dense_copy(self.original), list(inputs),
                                        config_patches=dict(self.config_patches))
                     sparse_us, dense_us = self.raced = _race(self._fn, dense, inputs)
                 except Exception as error:  # noqa: BLE001 - the check only refines the choice
@@ -149,12 +150,30 @@ def _can_run_again(gm: fx.GraphModule, inputs: list) -> bool:
         return False
     if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in inputs):
         return False
-    for node in gm.graph.nodes:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if node.op in ("call_method", "call_function") and isinstance(name, str) and (
-                name.endswith("_") and not name.endswith("__") or name == "setitem" or "out" in node.kwargs):
-            return False
-    return True
+    return not any(_writes_in_place(node) for node in gm.graph.nodes)
+
+
+#: the functions of Python's ``operator`` module that change their first argument
+_OPERATOR_IN_PLACE = {"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow",
+                      "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"}
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` may write into one of its arguments: a tensor method or torch function
+    named with a trailing underscore (``add_``), one given ``out=``, an aten op whose schema
+    mutates, or an in-place function of ``operator`` (``setitem``, ``iadd``; not ``and_``, which
+    only avoids a keyword)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if "out" in node.kwargs:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if node.op == "call_function" and getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return target.__name__ in _OPERATOR_IN_PLACE
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def _race(first, second, inputs: list) -> tuple[float, float]:
@@ -216,6 +235,15 @@ def _copy_of_dynamo_graph(original: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.name in sources:
             node._dynamo_source = sources[node.name]
+    return gm
+
+
+def _dense_copy(original: fx.GraphModule) -> fx.GraphModule:
+    """The Dynamo graph as it came, for the race: a copy whose tensors all carry their sources
+    (as the rewritten graph's do), so Inductor's CUDA graphs keep them in place for both graphs
+    alike (without them, the dense graph copied its weights in on every replay)."""
+    gm = _copy_of_dynamo_graph(original)
+    _name_sources(gm, original)
     return gm
 
 

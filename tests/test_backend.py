@@ -3,6 +3,7 @@ weight guards, dynamic batch, graph breaks."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.fx as fx
 
 import sparsecc
 from sparsecc.backend import COMPILED, make_backend
@@ -244,6 +245,56 @@ def test_a_graph_that_writes_in_place_is_not_run_again(monkeypatch):
         compiled(x)
     assert model.calls.item() == 1
     assert "2:4" in COMPILED[-1].plan.choices().values()
+
+
+def test_a_graph_that_only_combines_masks_is_raced(monkeypatch):
+    """``operator.and_`` (``a & b`` on masks, as causal LMs build attention masks) writes nothing:
+    such a graph is raced like any other."""
+    import sparsecc.backend as backend
+    raced = []
+    monkeypatch.setattr(backend, "_race", lambda first, second, inputs: raced.append(1) or (50.0, 100.0))
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _pruned_mlp()
+
+        def forward(self, x):
+            keep = (x > -10) & (x < 10)
+            return self.body(torch.where(keep, x, 0.0))
+
+    model = Masked()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(_checked(model)(x), model(x), torch.float32)
+    assert raced == [1]
+
+
+def test_in_place_writes_are_told_from_operators_named_with_an_underscore():
+    import operator
+
+    from sparsecc.backend import _writes_in_place
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = {"and_": graph.call_function(operator.and_, (x, x)), "setitem": graph.call_function(operator.setitem, (x, 0, 1)),
+             "iadd": graph.call_function(operator.iadd, (x, x)), "add_": graph.call_method("add_", (x, 1)),
+             "torch.add out": graph.call_function(torch.add, (x, x), {"out": x}),
+             "aten.add_": graph.call_function(torch.ops.aten.add_.Tensor, (x, x)),
+             "aten.add": graph.call_function(torch.ops.aten.add.Tensor, (x, x)),
+             "relu": graph.call_function(torch.relu, (x,)), "__getitem__": graph.call_method("__getitem__", (x, 0))}
+    writes = {name for name, node in nodes.items() if _writes_in_place(node)}
+    assert writes == {"setitem", "iadd", "add_", "torch.add out", "aten.add_"}
+
+
+def test_the_dense_graph_of_the_race_keeps_its_tensors_sources():
+    """Both graphs of the race tell AOTAutograd where their tensors come from (else CUDA graphs
+    copy the dense graph's weights in on every replay and the race is unfair to it)."""
+    from sparsecc.backend import _dense_copy
+    original = fx.symbolic_trace(nn.Linear(4, 4))
+    original._param_name_to_source = {"weight": "the weight's source", "bias": "the bias's source"}
+    copy = _dense_copy(original)
+    assert copy is not original and copy._param_name_to_source == original._param_name_to_source
+    assert str(copy.graph) == str(original.graph)
 
 
 def test_racing_two_graphs_times_both():

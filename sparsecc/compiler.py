@@ -253,7 +253,7 @@ def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=No
 
 def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed, m_range) -> SitePlan:
     decision = cost_model.decide(stats, site.m, allowed, m_range=m_range,
-                                 measure_sites=cost_model.site_timer(site.weight, stats))
+                                 measure_sites=cost_model.site_timer(site.weight, stats, site.epilogue))
     return _site_plan(site, stats, decision.choice, decision.reason,
                       [Candidate(p.format, round(p.us, 3), p.nbytes, p.measured_us) for p in decision.candidates],
                       decision.buckets, m_range, decision.above)

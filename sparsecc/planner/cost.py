@@ -53,6 +53,7 @@ import torch
 
 from ..errors import InputError, SparseccError
 from ..ir.analysis import WeightStats
+from ..ir.epilogue import Epilogue
 from ..ir.formats import DENSE, NM_2_4, FormatSpec, pack
 from ..ir.plan import ABOVE_DENSE
 from ..ir.workload import Workload
@@ -526,9 +527,10 @@ class CostModel:
     def _charges_host(self) -> bool:
         return self.op_by_op and self.device.type == "cuda"
 
-    def site_timer(self, weight: torch.Tensor, stats: WeightStats):
+    def site_timer(self, weight: torch.Tensor, stats: WeightStats, epilogue: Epilogue | None = None):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
-        ``weight`` as compile would pack and run them (sparsecc's kernels where they take it).
+        ``weight`` as compile would pack and run them (sparsecc's kernels where they take it),
+        with the site's ``epilogue`` (bias, activation).
         Where no candidate's time depends on the weight's values (dense, and 2:4 on sparsecc's
         kernels), a site takes the times measured on an earlier one of the same shape, dtype
         and batch: the layers of a model then get one decision, in one timing, not one each
@@ -536,10 +538,11 @@ class CostModel:
         def measure(specs, m, planned_m):
             on_kernel = {s: self.uses_kernel(stats, s) for s in specs}
             key = _value_free_key(weight, specs, on_kernel, m, planned_m)
+            key = key and (*key, str(epilogue or Epilogue()))
             if key is not None and key in self._timings:
                 return dict(self._timings[key])
             timed = time_sites(weight, specs, m, on_kernel=on_kernel, planned_m=planned_m,
-                               host=self._charges_host())
+                               host=self._charges_host(), epilogue=epilogue)
             if key is not None:
                 self._timings[key] = dict(timed)
             return timed
@@ -610,9 +613,11 @@ def _value_free_key(weight: torch.Tensor, specs, on_kernel: dict, m: int, planne
 
 
 def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kernel: dict | None = None,
-               planned_m: int | None = None, host: bool = False) -> dict[FormatSpec, float]:
+               planned_m: int | None = None, host: bool = False,
+               epilogue: Epilogue | None = None) -> dict[FormatSpec, float]:
     """Microseconds per call of the site's op for each format in ``specs`` on random inputs
-    with ``m`` rows, timed against one another (:func:`sparsecc.runtime.timing.time_all_us`); a format
+    with ``m`` rows and ``epilogue``'s bias and activation, timed against one another
+    (:func:`sparsecc.runtime.timing.time_all_us`); a format
     ``on_kernel`` maps to True is packed for sparsecc's kernels, for ``planned_m`` rows. ``host``
     (on the GPU): each sparse format's time also counts the host time its call takes beyond
     dense's (:func:`sparsecc.runtime.timing.host_us`), as a model run op by op pays it."""
@@ -620,7 +625,8 @@ def time_sites(weight: torch.Tensor, specs: list[FormatSpec], m: int, *, on_kern
     runners = {}
     for spec in specs:
         try:
-            runners[spec] = site_runner(weight, spec, m, on_kernel=on_kernel.get(spec, False), planned_m=planned_m)
+            runners[spec] = site_runner(weight, spec, m, on_kernel=on_kernel.get(spec, False), planned_m=planned_m,
+                                        epilogue=epilogue)
         except (SparseccError, RuntimeError) as error:     # e.g. its kernels failed to build: not timed, not chosen
             if spec == DENSE:
                 raise
@@ -638,13 +644,13 @@ def with_host_time(timed: dict[FormatSpec, float], issued: dict[FormatSpec, floa
 
 
 def site_runner(weight: torch.Tensor, spec: FormatSpec, m: int, *, on_kernel: bool = False,
-                planned_m: int | None = None):
+                planned_m: int | None = None, epilogue: Epilogue | None = None):
     """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows, with
     ``weight`` packed in ``spec`` as compile would pack it: for sparsecc's kernels when
     ``on_kernel`` (for a site planned at ``planned_m`` rows, else ``m``), else in the portable
-    layout (:func:`sparsecc.runtime.timing.packed_runner`)."""
+    layout, and ``epilogue``'s bias and activation (:func:`sparsecc.runtime.timing.packed_runner`)."""
     if on_kernel:
         packed = registry.pack(weight, spec, planned_m if planned_m is not None else m, tune_range=(m, m))
     else:
         packed = pack(weight, spec)
-    return packed_runner(packed, m, weight.device, on_kernel=on_kernel)
+    return packed_runner(packed, m, weight.device, on_kernel=on_kernel, epilogue=epilogue)

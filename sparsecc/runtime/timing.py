@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..ir.epilogue import Epilogue
 from ..ir.formats import PackedWeight
 from .torch_ops import OP_FOR_KIND
 
@@ -43,15 +44,19 @@ def copies_for(nbytes: int, max_copies: int = MAX_COPIES) -> int:
 
 
 def packed_runner(packed: PackedWeight, m: int, device: torch.device, *,
-                  on_kernel: bool = True) -> Callable[[], torch.Tensor]:
+                  on_kernel: bool = True, epilogue: Epilogue | None = None) -> Callable[[], torch.Tensor]:
     """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows through the
     op of ``packed`` (a weight packed for sparsecc's kernels when ``on_kernel``, else in a
-    portable format). ``run.copies`` is how many copies of the packed weight (see
-    :data:`ROTATE_BYTES`) its calls cycle through; ``run.x`` is the input."""
+    portable format), with ``epilogue``'s random bias and activation where given: a site runs
+    them too, and what they cost differs between a kernel's fused epilogue and torch's ops.
+    ``run.copies`` is how many copies of the packed weight (see :data:`ROTATE_BYTES`) its calls
+    cycle through; ``run.x`` and ``run.bias`` are the input and the bias (None: none)."""
     op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
     x = torch.randn(m, packed.shape[1], dtype=packed.dtype, device=device)
-    args = (x, *packed.tensors().values(), *packed.scalars().values(), None, "none", False, False,
-            *getattr(packed, "extra_args", ()))
+    epilogue = epilogue or Epilogue()
+    bias = torch.randn(packed.shape[0], dtype=packed.dtype, device=device) if epilogue.bias else None
+    args = (x, *packed.tensors().values(), *packed.scalars().values(), bias, epilogue.activation.value, False,
+            False, *getattr(packed, "extra_args", ()))
     copies = 1
     if torch.device(device).type == "cuda":
         nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
@@ -63,7 +68,7 @@ def packed_runner(packed: PackedWeight, m: int, device: torch.device, *,
         return op(*next(turn))
     run.capturable = on_kernel or packed.spec.kind not in HOST_SYNCING_KINDS   # sparsecc's kernels never sync
     run.copies = copies
-    run.x = x               # every copy holds the same values
+    run.x, run.bias = x, bias       # every copy holds the same values
     return run
 
 

@@ -5,6 +5,7 @@ import torch
 
 from sparsecc.errors import InputError
 from sparsecc.ir.analysis import analyze
+from sparsecc.ir.epilogue import Activation, Epilogue
 from sparsecc.ir.formats import FormatSpec, pack
 from sparsecc.ir.workload import Workload
 from sparsecc.kernels import registry, sparse24_small
@@ -331,10 +332,11 @@ def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     second site of a shape takes the first one's times (one decision for a model's layers);
     a list with a format whose cost depends on the non-zeros (CSR) is timed for each site."""
     import sparsecc.planner.cost as cost
-    calls = []
+    calls, epilogues = [], []
 
-    def fake_time_sites(weight, specs, m, *, on_kernel=None, planned_m=None, host=False):
+    def fake_time_sites(weight, specs, m, *, on_kernel=None, planned_m=None, host=False, epilogue=None):
         calls.append((tuple(weight.shape), [str(s) for s in specs], m))
+        epilogues.append(epilogue)
         return {s: 10.0 if s.kind == "dense" else 5.0 + len(calls) for s in specs}
 
     monkeypatch.setattr(cost, "time_sites", fake_time_sites)
@@ -355,6 +357,10 @@ def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     for w in (first, second):                                       # value-free too, timed once
         unpacked.site_timer(w, analyze(w))(two_four, 16, 16)
     assert len(calls) == 6
+    gelu = Epilogue(bias=True, activation=Activation.GELU)             # another epilogue: timed, with it
+    for w in (first, second):
+        model.site_timer(w, analyze(w), gelu)(two_four, 16, 16)
+    assert len(calls) == 7 and epilogues[-1] is gelu and epilogues[0] is None
 
 
 def test_timing_stops_at_the_budget_and_predictions_decide_the_rest(gen, monkeypatch):

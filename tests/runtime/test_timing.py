@@ -24,6 +24,17 @@ def test_runner_computes_the_product(pattern, density, fmt):
     assert rel_error(out, want) < 1e-5                                     # fp32 against fp64
 
 
+@pytest.mark.parametrize("fmt", ["dense", "2:4", "csr"])
+def test_runner_runs_the_sites_epilogue(fmt):
+    """Timed as it runs: with the site's bias and activation (here GELU), y = gelu(x W^T + b)."""
+    from sparsecc.ir.epilogue import Activation, Epilogue
+    gen = torch.Generator().manual_seed(12)
+    weight = random_weight(96, 128, "2:4", 0.5, torch.float32, "cpu", gen)
+    run = site_runner(weight, FormatSpec.parse(fmt), 7, epilogue=Epilogue(bias=True, activation=Activation.GELU))
+    want = torch.nn.functional.gelu(run.x.double() @ weight.double().t() + run.bias.double())
+    assert run.bias.shape == (96,) and rel_error(run(), want) < 1e-5
+
+
 def test_time_us_is_positive_and_grows_with_work():
     small = site_runner(torch.randn(64, 64), FormatSpec.parse("dense"), 1)
     big = site_runner(torch.randn(1024, 1024), FormatSpec.parse("dense"), 256)

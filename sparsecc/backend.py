@@ -13,7 +13,7 @@ Each site is chosen by timing it alone; what Inductor does around the layers (it
 its layouts, the host's pace op by op) is not in those timings. So where the graph can be run
 again safely (real example inputs, no in-place op on them), the rewritten graph is timed against
 the dense one Inductor would run, on the example inputs, and kept only if it is faster by
-:data:`GRAPH_MARGIN`; otherwise the dense graph runs and each site's reason in the plan says why.
+:data:`sparsecc.planner.check.MARGIN`; otherwise the dense graph runs and each site's reason in the plan says why.
 This costs one more Inductor compile per graph; it is on by default on the GPU
 (``make_backend(check_graph=...)``).
 
@@ -29,11 +29,7 @@ Registered as ``sparsecc`` through the ``torch_dynamo_backends`` entry point (so
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-import operator
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,15 +44,11 @@ from .ir.formats import FormatSpec
 from .ir.plan import Plan
 from .ir.site import SITE_KEY
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
+from .planner import check
 from .planner.cost import CostModel
 from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
-
-#: the rewritten graph is kept only if it runs in at most this fraction of the dense graph's time
-GRAPH_MARGIN = 0.98
-#: the two graphs are timed in this many interleaved rounds of this many calls each (median kept)
-GRAPH_ROUNDS, GRAPH_CALLS = 5, 5
 
 
 @dataclass
@@ -114,20 +106,22 @@ class SparseGraph:
             from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
             self._fn = compile_fx(gm, list(inputs), config_patches=dict(self.config_patches))
             packed = any(d is not None for d in decisions.values())
-            if self.check_graph and packed and _can_run_again(self.original, inputs):
+            if self.check_graph and packed and check.can_run_again([self.original], inputs):
                 try:
                     dense = compile_fx(_dense_copy(self.original), list(inputs),
                                        config_patches=dict(self.config_patches))
-                    sparse_us, dense_us = self.raced = _race(self._fn, dense, inputs)
+                    sparse_us, dense_us = self.raced = check.race(
+                        lambda: self._fn(*inputs), lambda: dense(*inputs),
+                        cuda=any(isinstance(v, torch.Tensor) and v.is_cuda for v in inputs))
                 except Exception as error:  # noqa: BLE001 - the check only refines the choice
                     log.warning("sparsecc: the rewritten graph was not timed against the dense one (%s); it runs "
                                 "as planned", str(error).splitlines()[0] if str(error) else type(error).__name__)
                     return
-                if sparse_us > GRAPH_MARGIN * dense_us:
+                if not check.faster(sparse_us, dense_us):
                     log.info("the graph with sparse layers ran %.0f us, the dense one %.0f us: dense kept",
                              sparse_us, dense_us)
                     self._fn, self._watched = dense, []
-                    self.plan = _all_dense(self.plan, sparse_us, dense_us)
+                    self.plan = check.all_dense(self.plan, sparse_us, dense_us)
         else:
             self._fn = gm.forward
 
@@ -140,73 +134,6 @@ class SparseGraph:
                 self.build(list(args))
                 break
         return self._fn(*args)
-
-
-def _can_run_again(gm: fx.GraphModule, inputs: list) -> bool:
-    """Whether the graph may be called a few more times on its example inputs to time it: they
-    are real tensors and numbers, and no op of the graph writes in place (a cache update, a
-    counter), so extra calls change nothing."""
-    if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in inputs):
-        return False
-    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in inputs):
-        return False
-    return not any(_writes_in_place(node) for node in gm.graph.nodes)
-
-
-#: the functions of Python's ``operator`` module that change their first argument
-_OPERATOR_IN_PLACE = {"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow",
-                      "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"}
-
-
-def _writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` may write into one of its arguments: a tensor method or torch function
-    named with a trailing underscore (``add_``), one given ``out=``, an aten op whose schema
-    mutates, or an in-place function of ``operator`` (``setitem``, ``iadd``; not ``and_``, which
-    only avoids a keyword)."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if "out" in node.kwargs:
-        return True
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    if node.op == "call_function" and getattr(operator, getattr(target, "__name__", ""), None) is target:
-        return target.__name__ in _OPERATOR_IN_PLACE
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
-
-def _race(first, second, inputs: list) -> tuple[float, float]:
-    """Microseconds per call of ``first(*inputs)`` and ``second(*inputs)``: the median of
-    :data:`GRAPH_ROUNDS` interleaved rounds, each the wall time of :data:`GRAPH_CALLS` calls and
-    the wait for the device (what a caller sees, whether the host or the GPU sets the pace)."""
-    cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in inputs)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times: list[list[float]] = [[], []]
-    with torch.no_grad():
-        for fn in (first, second):
-            for _ in range(3):               # warm-up; CUDA graphs record on the first calls
-                fn(*inputs)
-        for _ in range(GRAPH_ROUNDS):
-            for fn, found in zip((first, second), times):
-                sync()
-                start = time.perf_counter()
-                for _ in range(GRAPH_CALLS):
-                    fn(*inputs)
-                sync()
-                found.append((time.perf_counter() - start) * 1e6 / GRAPH_CALLS)
-    return statistics.median(times[0]), statistics.median(times[1])
-
-
-def _all_dense(plan: Plan, sparse_us: float, dense_us: float) -> Plan:
-    """``plan`` with every site dense, each reason saying the whole graph was timed slower sparse."""
-    why = (f"dense: this graph with its sparse layers ran {sparse_us:.0f} us per call on the example inputs, "
-           f"the dense one {dense_us:.0f} us (a rewritten graph must be {1 - GRAPH_MARGIN:.0%} faster); ")
-    sites = [site if site.choice == "dense" else
-             dataclasses.replace(site, choice="dense", reason=why + "the layer alone: " + site.reason,
-                                 bytes_after=site.bytes_before)
-             for site in plan.sites]
-    return dataclasses.replace(plan, sites=sites)
 
 
 def _local_sites(sites: list) -> list:

@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 import sparsecc
-from sparsecc.backend import COMPILED, GRAPH_MARGIN, make_backend
+from sparsecc.backend import COMPILED, make_backend
+from sparsecc.planner.check import MARGIN
 
 from conftest import kernels_of_24_sites, rel_error
 
@@ -40,7 +41,7 @@ def test_the_check_keeps_the_faster_graph_and_the_plan_says_which(mode, rows):
     sparse_us, dense_us = graph.raced
     assert sparse_us > 0 and dense_us > 0
     choices = set(graph.plan.choices().values())
-    if sparse_us <= GRAPH_MARGIN * dense_us:
+    if sparse_us <= MARGIN * dense_us:
         assert choices == {"2:4"} and graph._watched
     else:
         assert choices == {"dense"} and not graph._watched

@@ -1,0 +1,114 @@
+"""Check a plan as a whole: the rewritten program timed against the dense one it came from.
+
+The cost model times each site alone. What runs around the sites in a real model (the fusions
+and layouts of the code between them, the caches the neighbouring ops leave warm or cold, the
+host's pace when ops run one by one) is not in those timings, so a plan whose every site was
+timed faster can still make the model slower. ``torch.compile(model, backend="sparsecc")`` and
+``sparsecc.compile`` therefore run both programs on the example inputs, where that is safe
+(:func:`can_run_again`), and keep the rewritten one only if it is faster by :data:`MARGIN`;
+otherwise every site runs dense and its reason in the plan says why (:func:`all_dense`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..ir.plan import Plan
+from ..runtime.timing import capture_graph
+
+log = logging.getLogger("sparsecc")
+
+#: the rewritten program is kept only if it runs in at most this fraction of the dense one's time
+MARGIN = 0.98
+#: the two programs are timed in this many interleaved rounds of this many calls each (median kept)
+ROUNDS, CALLS = 5, 5
+
+#: the functions of Python's ``operator`` module that change their first argument
+_OPERATOR_IN_PLACE = {"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow",
+                      "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"}
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` may write into one of its arguments: a tensor method or torch function
+    named with a trailing underscore (``add_``), one given ``out=``, an aten op whose schema
+    mutates, or an in-place function of ``operator`` (``setitem``, ``iadd``; not ``and_``, which
+    only avoids a keyword)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if "out" in node.kwargs:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if node.op == "call_function" and getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return target.__name__ in _OPERATOR_IN_PLACE
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def can_run_again(graphs: list[fx.GraphModule], inputs: list) -> bool:
+    """Whether programs made of ``graphs`` may be called a few more times on ``inputs`` to time
+    them: the inputs are real tensors and numbers, and no op writes in place (a cache update, a
+    counter), so extra calls change nothing."""
+    if not all(isinstance(v, (torch.Tensor, int, float, bool)) for v in inputs):
+        return False
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in inputs):
+        return False
+    return not any(writes_in_place(node) for gm in graphs for node in gm.graph.nodes)
+
+
+def race(first: Callable[[], object], second: Callable[[], object], *, cuda: bool,
+         capture: bool = False) -> tuple[float, float]:
+    """Microseconds per call of ``first()`` and ``second()``: the median of :data:`ROUNDS`
+    interleaved rounds, each the wall time of :data:`CALLS` calls and the wait for the GPU (what a
+    caller sees, whether the host or the GPU sets the pace; ``cuda``: they run on the GPU).
+    ``capture`` (on the GPU): each is
+    captured in a CUDA graph and the graphs are replayed, as ``mode="reduce-overhead"`` runs a
+    model; where either cannot be captured, both run as they are."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times: list[list[float]] = [[], []]
+    graphs = []
+    with torch.no_grad():
+        if capture and cuda:
+            try:
+                graphs = [capture_graph(fn, 1) for fn in (first, second)]
+                first, second = graphs[0].replay, graphs[1].replay
+            except RuntimeError as error:
+                log.info("sparsecc: timed without CUDA graphs (%s)", str(error).splitlines()[0] if str(error) else error)
+                graphs = []
+        for fn in (first, second):
+            for _ in range(3):               # warm-up; torch.compile's CUDA graphs record on the first calls
+                fn()
+        for _ in range(ROUNDS):
+            for fn, found in zip((first, second), times):
+                sync()
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    fn()
+                sync()
+                found.append((time.perf_counter() - start) * 1e6 / CALLS)
+    del graphs
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def faster(sparse_us: float, dense_us: float) -> bool:
+    """Whether the rewritten program, at ``sparse_us``, beats the dense one by :data:`MARGIN`."""
+    return sparse_us <= MARGIN * dense_us
+
+
+def all_dense(plan: Plan, sparse_us: float, dense_us: float, what: str = "graph") -> Plan:
+    """``plan`` with every site dense, each reason saying the whole ``what`` was timed slower sparse."""
+    why = (f"dense: this {what} with its sparse layers ran {sparse_us:.0f} us per call on the example inputs, "
+           f"the dense one {dense_us:.0f} us (a rewritten {what} must be {1 - MARGIN:.0%} faster); ")
+    sites = [site if site.choice == "dense" else
+             dataclasses.replace(site, choice="dense", reason=why + "the layer alone: " + site.reason,
+                                 bytes_after=site.bytes_before, above=None)
+             for site in plan.sites]
+    return dataclasses.replace(plan, sites=sites)

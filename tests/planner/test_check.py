@@ -1,0 +1,63 @@
+"""The whole-program check (sparsecc.planner.check): which graphs may be run again to time them,
+the race itself, and the all-dense plan it leaves when the rewritten program loses."""
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from sparsecc.ir.plan import Plan, SitePlan
+from sparsecc.planner.check import MARGIN, all_dense, can_run_again, faster, race, writes_in_place
+
+
+def test_in_place_writes_are_told_from_operators_named_with_an_underscore():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = {"and_": graph.call_function(operator.and_, (x, x)), "setitem": graph.call_function(operator.setitem, (x, 0, 1)),
+             "iadd": graph.call_function(operator.iadd, (x, x)), "add_": graph.call_method("add_", (x, 1)),
+             "torch.add out": graph.call_function(torch.add, (x, x), {"out": x}),
+             "aten.add_": graph.call_function(torch.ops.aten.add_.Tensor, (x, x)),
+             "aten.add": graph.call_function(torch.ops.aten.add.Tensor, (x, x)),
+             "relu": graph.call_function(torch.relu, (x,)), "__getitem__": graph.call_method("__getitem__", (x, 0))}
+    writes = {name for name, node in nodes.items() if writes_in_place(node)}
+    assert writes == {"setitem", "iadd", "add_", "torch.add out", "aten.add_"}
+
+
+def test_racing_two_graphs_times_both():
+    slow, fast = nn.Linear(1024, 1024), nn.Linear(8, 8)     # ~0.5 GFLOP a call against ~1 kFLOP
+    x = torch.randn(64, 8)
+    times = race(lambda: slow(x.repeat(8, 128)), lambda: fast(x), cuda=False)
+    assert all(t > 0 for t in times) and times[0] > times[1]
+
+
+def test_graphs_run_again_only_on_real_inputs_and_without_in_place_writes():
+    pure = fx.symbolic_trace(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    assert can_run_again([pure], [x, 3])
+    assert not can_run_again([pure], [x, object()])
+    assert not can_run_again([pure], [torch.empty(2, 4, device="meta")])
+
+    class Counting(nn.Module):
+        def forward(self, x):
+            return x.add_(1)
+
+    assert not can_run_again([pure, fx.symbolic_trace(Counting())], [x])
+
+
+def test_faster_means_ahead_by_the_margin():
+    assert faster(MARGIN * 100.0, 100.0) and not faster(MARGIN * 100.0 + 0.1, 100.0)
+
+
+def test_a_lost_race_makes_every_site_dense_and_says_why():
+    site = SitePlan(name="a", module_path="", shape=[8, 8], dtype="float16", m=4, epilogue="none", density=0.5,
+                    fits=["2:4"], block_density={}, candidates=[], choice="2:4", reason="2:4 was timed fastest",
+                    bytes_before=128, bytes_after=72, above="dense")
+    dense = SitePlan(**{**site.__dict__, "name": "b", "choice": "dense", "reason": "dense was timed fastest",
+                        "bytes_after": 128, "above": None})
+    plan = all_dense(Plan([site, dense], device="cuda"), 120.0, 100.0, what="model")
+    assert [s.choice for s in plan.sites] == ["dense", "dense"] and plan.sites[0].bytes_after == 128
+    assert plan.sites[0].above is None
+    assert plan.sites[0].reason.startswith("dense: this model with its sparse layers ran 120 us per call on the "
+                                           "example inputs, the dense one 100 us")
+    assert plan.sites[0].reason.endswith("the layer alone: 2:4 was timed fastest")
+    assert plan.sites[1].reason == "dense was timed fastest"

@@ -28,7 +28,7 @@ from .ir.plan import Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
-from .planner import shared
+from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
 from .runtime.kernel_dir import use_kernels
 
@@ -68,7 +68,7 @@ def plan(model: nn.Module, example_inputs, *, formats=None, device=None,
 
 def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str | None = None,
             device=None, cost_model: CostModel | None = None, verify: bool = True,
-            kernels=None, m_range=None, objective: str = "latency") -> nn.Module:
+            kernels=None, m_range=None, objective: str = "latency", check_graph: bool | None = None) -> nn.Module:
     """Return a module that computes what ``model`` computes, with its sparse linear layers
     running in the formats the plan chose.
 
@@ -96,6 +96,14 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
             the eager model within :data:`VERIFY_TOLERANCE` (skipped in training mode).
         kernels: a directory made by ``sparsecc generate``: its kernels are loaded (checked
             against their hashes) instead of compiled, so no CUDA compiler is needed.
+        check_graph: time the compiled model against ``model`` on the example inputs (on the
+            GPU each replayed from a CUDA graph, as the sites were timed; a model that cannot be
+            captured is not checked) and return the compiled one only if it is faster by 2%, else
+            ``model``'s dense layers with every site's reason saying why (sparsecc.planner.check).
+            None: on the GPU, for a plan made here at one batch size (not for a batch range, which
+            the example inputs time only the top of) with dense among the formats. Never for a
+            model whose traced graphs write in place or that could not be traced whole, nor in
+            training mode.
 
     The result has the plan as ``result.sparsecc_plan``.
     """
@@ -124,7 +132,49 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
         compiled.register_forward_pre_hook(sources)
     if verify:
         _verify(compiled, prepared)
+    if _checks_whole(check_graph, prepared, decisions, given, formats):
+        compiled = _dense_unless_faster(compiled, prepared)
     return compiled
+
+
+def _checks_whole(asked: bool | None, prepared: _Prepared, decisions: dict, given, formats) -> bool:
+    """Whether compile times the compiled model against the dense one (``check_graph``)."""
+    model = prepared.model
+    inputs = [v for v in pytree.tree_leaves((prepared.args, prepared.kwargs)) if v is not None]
+    if (asked is False or model.training or all(d is None for d in decisions.values()) or prepared.plan.untraced
+            or any(part.holder is not None for part in prepared.traced.parts)
+            or not check.can_run_again([part.gm for part in prepared.traced.parts], inputs)):
+        return False
+    if asked:
+        return True
+    allowed = _parse_formats(formats)
+    ranged = any(s.m_range and s.m_range[0] != s.m_range[1] for s in prepared.plan.sites)
+    dense_allowed = allowed is None or any(f.kind == "dense" for f in allowed)
+    return prepared.plan.device.startswith("cuda") and given is None and not ranged and dense_allowed
+
+
+def _dense_unless_faster(compiled: nn.Module, prepared: _Prepared) -> nn.Module:
+    """``compiled`` if it beats the dense model on the example inputs, else the dense model (a
+    shallow copy sharing its modules) whose plan says every site is dense, and why."""
+    args, kwargs = prepared.args, prepared.kwargs
+    model = prepared.model
+    runners = [lambda: compiled(*args, **kwargs), lambda: model(*args, **kwargs)]
+    cuda = prepared.plan.device.startswith("cuda")
+    if cuda:        # timed as the per-site choices were: replayed from CUDA graphs
+        graphs = check.captured(*runners)
+        if graphs is None:
+            log.info("sparsecc: the model cannot be captured in a CUDA graph: its plan is not checked as a whole")
+            return compiled
+        runners = [graph.replay for graph in graphs]
+    sparse_us, dense_us = check.race(*runners, cuda=cuda)
+    if check.faster(sparse_us, dense_us):
+        log.info("sparsecc: the compiled model ran %.0f us per call, the dense one %.0f us: kept", sparse_us, dense_us)
+        return compiled
+    log.info("sparsecc: the compiled model ran %.0f us per call, the dense one %.0f us: its layers stay dense",
+             sparse_us, dense_us)
+    dense = tracing.assemble(model, {})
+    dense.sparsecc_plan = check.all_dense(prepared.plan, sparse_us, dense_us, what="model")
+    return dense
 
 
 def _computes_as_written(part: tracing.TracedPart, sites: list[LinearSite], decisions: dict,

@@ -202,7 +202,7 @@ def test_the_rewritten_graph_runs_only_if_faster_than_the_dense_one(monkeypatch,
     inputs; slower, the dense graph runs and every site's reason says why."""
     raced = []
 
-    def race(first, second, *, cuda, capture=False):
+    def race(first, second, *, cuda):
         raced.append((first, second))
         return (50.0, 100.0) if sparse_faster else (100.0, 101.0)
 

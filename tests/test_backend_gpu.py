@@ -1,6 +1,7 @@
-"""The backend's whole-graph check on a Hopper GPU: the rewritten graph and the dense one Inductor
-compiles are both run and timed on the example inputs, op by op and under CUDA graphs; whichever
-is kept computes the model's output within fp16 tolerance, and the plan says which one ran."""
+"""The whole-graph check on a Hopper GPU: the backend's rewritten graph and the dense one Inductor
+compiles, or ``sparsecc.compile``'s model and the model, are both run and timed on the example
+inputs (op by op and under CUDA graphs); whichever is kept computes the model's output within fp16
+tolerance, and the plan says which one ran."""
 import pytest
 import torch
 import torch.nn as nn
@@ -57,3 +58,26 @@ def test_the_check_is_on_by_default_on_the_gpu_unless_sparse_is_forced():
             torch._dynamo.reset()
             assert rel_error(torch.compile(model, backend=backend)(x), model(x)) < 1e-2
             assert COMPILED[-1].check_graph is checked
+
+
+@pytest.mark.parametrize("rows", [8, 1024])
+def test_compile_checks_the_whole_model_the_same_way(monkeypatch, rows):
+    """``sparsecc.compile`` on the GPU: the compiled model and the model, each captured in a CUDA
+    graph, raced on the example inputs; whichever is returned computes the model's output, and
+    its plan says which ran."""
+    from sparsecc.planner import check
+    found = []
+    race = check.race
+    monkeypatch.setattr(check, "race", lambda *a, **k: found.append(race(*a, **k)) or found[-1])
+    model = _pruned_mlp()
+    x = torch.randn(rows, 1024, dtype=torch.float16, device="cuda")
+    compiled = sparsecc.compile(model, x, formats=("2:4",), check_graph=True)
+    with torch.no_grad():
+        assert rel_error(compiled(x), model(x)) < 1e-2
+    (sparse_us, dense_us), = found
+    choices = set(compiled.sparsecc_plan.choices().values())
+    if sparse_us <= MARGIN * dense_us:
+        assert choices == {"2:4"}
+    else:
+        assert choices == {"dense"}
+        assert all(f"ran {sparse_us:.0f} us per call on the example inputs" in s.reason for s in compiled.sparsecc_plan)

@@ -351,3 +351,99 @@ def test_a_layer_used_twice_is_two_sites_but_its_bytes_count_once(gen):
     plan = sparsecc.plan(model, torch.randn(4, 64, generator=gen), formats=("2:4",))
     assert [site.name for site in plan.sites] == ["fc.weight", "fc.weight#2"]
     assert plan.bytes_before == 64 * 64 * 4
+
+
+def _two_four_mlp(gen):
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, gen))
+    return model
+
+
+@pytest.mark.parametrize("sparse_faster", [True, False])
+def test_the_whole_model_check_keeps_the_compiled_model_only_if_faster(monkeypatch, gen, sparse_faster):
+    """With check_graph, the compiled model is timed against the model on the example inputs;
+    slower, the result runs the model's own dense layers and every site's reason says why."""
+    from sparsecc.planner import check
+    raced = []
+
+    def race(first, second, *, cuda):
+        raced.append((first(), second(), cuda))
+        return (50.0, 100.0) if sparse_faster else (100.0, 101.0)
+
+    monkeypatch.setattr(check, "race", race)
+    model, x = _two_four_mlp(gen), torch.randn(4, 64, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",), check_graph=True)      # asked for: checked even so
+    (sparse_out, dense_out, cuda), = raced
+    assert not cuda
+    assert_rel_close(sparse_out, model(x), torch.float32)
+    assert torch.equal(dense_out, model(x))
+    assert_rel_close(compiled(x), model(x), torch.float32)
+    plan = compiled.sparsecc_plan
+    if sparse_faster:
+        assert "2:4" in plan.choices().values()
+    else:
+        assert set(plan.choices().values()) == {"dense"}
+        assert all(isinstance(m, nn.Linear) for m in compiled.modules() if not isinstance(m, nn.Sequential)
+                   and not isinstance(m, nn.ReLU))
+        assert any("this model with its sparse layers ran 100 us per call on the example inputs, the dense one 101 us"
+                   in s.reason for s in plan)
+
+
+def test_the_whole_model_check_is_off_on_the_cpu_for_ranges_and_forced_formats(monkeypatch, gen):
+    from sparsecc.planner import check
+    monkeypatch.setattr(check, "race", lambda *a, **k: pytest.fail("raced where no check was asked for"))
+    model, x = _two_four_mlp(gen), torch.randn(4, 64, generator=gen)
+    sparsecc.compile(model, x, formats=("2:4",))                           # on the CPU: off by default
+    sparsecc.compile(model, x, formats=("2:4",), check_graph=False)
+
+
+def test_the_whole_model_check_races_for_real(gen):
+    """Unpatched, on the CPU: both models run and are timed, and whichever is returned computes
+    the model's output."""
+    model, x = _two_four_mlp(gen), torch.randn(256, 64, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",), check_graph=True)
+    assert_rel_close(compiled(x), model(x), torch.float32)
+    assert set(compiled.sparsecc_plan.choices().values()) in ({"2:4"}, {"dense"})
+
+
+def test_when_the_whole_model_check_runs_by_default(gen):
+    """On the GPU by default, for a plan made at one batch size with dense allowed; never when
+    nothing is packed or the model trains; asked for, also for ranges, replays and forced formats."""
+    import dataclasses
+
+    from sparsecc.compiler import _checks_whole, _prepare
+    model, x = _two_four_mlp(gen), torch.randn(4, 64, generator=gen)
+    prepared = _prepare(model, x, ("2:4",), None, None, given_plan=None)
+    prepared.plan.device = "cuda:0"                  # as planned on a GPU
+    packed = {s.name: object() for s in prepared.sites}
+    assert _checks_whole(None, prepared, packed, None, None)
+    assert _checks_whole(None, prepared, packed, None, ("2:4", "dense"))
+    assert not _checks_whole(None, prepared, packed, None, ("2:4",))             # sparse forced
+    assert not _checks_whole(None, prepared, packed, prepared.plan, None)        # a replayed plan
+    assert not _checks_whole(False, prepared, packed, None, None)
+    assert not _checks_whole(True, prepared, {s.name: None for s in prepared.sites}, None, None)
+    assert all(_checks_whole(True, prepared, packed, given, formats)
+               for given, formats in ((prepared.plan, None), (None, ("2:4",))))
+    ranged = dataclasses.replace(prepared, plan=dataclasses.replace(
+        prepared.plan, sites=[dataclasses.replace(s, m_range=[1, 4]) for s in prepared.plan.sites]))
+    assert not _checks_whole(None, ranged, packed, None, None) and _checks_whole(True, ranged, packed, None, None)
+    prepared.plan.device = "cpu"
+    assert not _checks_whole(None, prepared, packed, None, None)
+    model.train()
+    assert not _checks_whole(True, prepared, packed, None, None)
+
+
+def test_a_model_cuda_graphs_cannot_capture_is_not_checked_on_the_gpu(monkeypatch, gen):
+    """The sites were timed replayed from CUDA graphs: a model that cannot be captured is not
+    timed as a whole some other way (op by op, the host's pace would decide), its plan stands."""
+    from sparsecc.compiler import _dense_unless_faster, _prepare
+    from sparsecc.planner import check
+    monkeypatch.setattr(check, "captured", lambda *fns: None)
+    monkeypatch.setattr(check, "race", lambda *a, **k: pytest.fail("raced without CUDA graphs"))
+    model, x = _two_four_mlp(gen), torch.randn(4, 64, generator=gen)
+    prepared = _prepare(model, x, ("2:4",), None, None, given_plan=None)
+    prepared.plan.device = "cuda:0"
+    compiled = object()
+    assert _dense_unless_faster(compiled, prepared) is compiled

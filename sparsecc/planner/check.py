@@ -64,25 +64,13 @@ def can_run_again(graphs: list[fx.GraphModule], inputs: list) -> bool:
     return not any(writes_in_place(node) for gm in graphs for node in gm.graph.nodes)
 
 
-def race(first: Callable[[], object], second: Callable[[], object], *, cuda: bool,
-         capture: bool = False) -> tuple[float, float]:
+def race(first: Callable[[], object], second: Callable[[], object], *, cuda: bool) -> tuple[float, float]:
     """Microseconds per call of ``first()`` and ``second()``: the median of :data:`ROUNDS`
     interleaved rounds, each the wall time of :data:`CALLS` calls and the wait for the GPU (what a
-    caller sees, whether the host or the GPU sets the pace; ``cuda``: they run on the GPU).
-    ``capture`` (on the GPU): each is
-    captured in a CUDA graph and the graphs are replayed, as ``mode="reduce-overhead"`` runs a
-    model; where either cannot be captured, both run as they are."""
+    caller sees, whether the host or the GPU sets the pace; ``cuda``: they run on the GPU)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: list[list[float]] = [[], []]
-    graphs = []
     with torch.no_grad():
-        if capture and cuda:
-            try:
-                graphs = [capture_graph(fn, 1) for fn in (first, second)]
-                first, second = graphs[0].replay, graphs[1].replay
-            except RuntimeError as error:
-                log.info("sparsecc: timed without CUDA graphs (%s)", str(error).splitlines()[0] if str(error) else error)
-                graphs = []
         for fn in (first, second):
             for _ in range(3):               # warm-up; torch.compile's CUDA graphs record on the first calls
                 fn()
@@ -94,8 +82,19 @@ def race(first: Callable[[], object], second: Callable[[], object], *, cuda: boo
                     fn()
                 sync()
                 found.append((time.perf_counter() - start) * 1e6 / CALLS)
-    del graphs
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+def captured(*fns: Callable[[], object]) -> list[torch.cuda.CUDAGraph] | None:
+    """Each of ``fns`` captured in a CUDA graph (replayed, they run as under
+    ``mode="reduce-overhead"``, without the host's pace), or None where one cannot be captured
+    (it reads a value back to the host, say)."""
+    try:
+        with torch.no_grad():
+            return [capture_graph(fn, 1) for fn in fns]
+    except RuntimeError as error:
+        log.info("sparsecc: not captured in a CUDA graph (%s)", str(error).splitlines()[0] if str(error) else error)
+        return None
 
 
 def faster(sparse_us: float, dense_us: float) -> bool:

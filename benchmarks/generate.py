@@ -17,6 +17,11 @@ Modes, the same for both impls:
   tensors stay in place for the graphs); three untimed calls first (sparsecc.generation.GRAPH_WARMUP).
 - ``eager``: the dynamic cache, no torch.compile (what ``generate`` does by default).
 
+Loops, each timed on both impls: ``generate`` (``model.generate``, greedy) and ``greedy_loop``
+(sparsecc.generation.greedy_loop: one forward per token on a static cache, the next token chosen on
+the GPU, without ``generate``'s work between steps, which at batch 1 takes about as long as a
+CUDA-graph forward; the row's ``loop`` says which).
+
 Per case (model, pattern, batch, mode): the prompts are ``--prompt`` random tokens per sequence,
 ``--new-tokens`` tokens are generated (exactly: no early stop), and the timed calls of the two
 impls alternate (sparsecc.generation.time_generate_each; medians of ``--repeats``). ``ttft_ms``:
@@ -32,8 +37,9 @@ where they are), so only sparsecc's graphs are compiled per pattern.
 
 Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned launches out
 (common.fixed_dispatch), as benchmarks/e2e.py. The default set -- Llama 2:4 and 64x64 blocks at
-10% at batch 1 and 32, GPT-2 2:4 at batch 1, graphs mode -- takes about 5-6 minutes on one H100
-once sparsecc's kernels for these shapes are in the cache (the first run also compiles them).
+10% at batch 1 and 32, GPT-2 2:4 at batch 1, graphs mode -- took about 5-6 minutes on one H100
+with ``--loops generate`` once sparsecc's kernels for these shapes were in the cache (the first run
+also compiles them); ``greedy_loop`` adds its own CUDA graphs and timed calls.
 
     python benchmarks/generate.py                                   # the default set
     python benchmarks/generate.py --models llama-1b --patterns unstructured@0.5 --batches 8 --modes graphs eager
@@ -60,7 +66,7 @@ if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
 
 import sparsecc  # noqa: E402
-from sparsecc.generation import GRAPH_WARMUP, greedy, static_cache, time_generate_each  # noqa: E402
+from sparsecc.generation import GRAPH_WARMUP, LOOPS, greedy, static_cache, time_generate_each  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 MODELS = {"llama-1b": "llama-1b-causal", "gpt2": "gpt2-causal"}
@@ -163,17 +169,23 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
             sparse.generation_config.disable_compile = True
             caches["sparsecc"] = static_cache(sparse, args.prompt + args.new_tokens)
         warmup = GRAPH_WARMUP if mode == "graphs" else 1
-        timings = time_generate_each({"dense": dense, "sparsecc": sparse}, prompts, new_tokens=args.new_tokens,
-                                     cache=caches or cache, repeats=args.repeats, warmup=warmup)
+        models = {"dense": dense, "sparsecc": sparse}
+        timed = {}
+        for loop in args.loops:          # greedy_loop fills a static cache, in either mode
+            static = caches or {impl: static_cache(m, args.prompt + args.new_tokens) for impl, m in models.items()}
+            timed[loop] = time_generate_each(models, prompts, new_tokens=args.new_tokens,
+                                             cache=static if loop == "greedy_loop" else caches or cache,
+                                             repeats=args.repeats, warmup=warmup, loop=loop)
         outputs = {impl: greedy(model, prompts, new_tokens=args.new_tokens, cache=caches.get(impl, cache),
                                 output_logits=True, return_dict_in_generate=True) for impl, model in (("dense", dense), ("sparsecc", sparse))}
         quality = compare_logits(outputs["dense"], outputs["sparsecc"])
         choices = {}
         for site in plan:
             choices[site.choice] = choices.get(site.choice, 0) + 1
-        for impl, timing in timings.items():
+        for loop, impl in itertools.product(args.loops, models):
+            timing = timed[loop][impl]
             row = {"impl": impl, "model": name, "format": "dense" if impl == "dense" else pattern, "pattern": pattern,
-                   "mode": mode, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                   "mode": mode, "loop": loop, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                    "M": batch * args.prompt, "dtype": str(dtype).replace("torch.", ""),
                    "density": round(report.density, 4), "block": 64 if pattern.startswith("block64") else None,
                    "ttft_ms": round(timing.ttft_ms, 3),
@@ -186,12 +198,12 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "m_range": None if impl == "dense" else (plan.sites[0].m_range if plan.sites else None),
                    "weight_bytes": plan.bytes_before if impl == "dense" else plan.bytes_after}
             rows.append(row)
-        dense_row, sparse_row = rows[-2], rows[-1]
-        print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} first token {dense_row['ttft_ms']:8.2f} -> "
-              f"{sparse_row['ttft_ms']:8.2f} ms   decode {dense_row['tokens_per_s'] or 0:9.1f} -> "
-              f"{sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   rel_err {quality['rel_err']:.2e} over "
-              f"{quality['steps_compared']} steps, same tokens {quality['same_tokens']} "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
+        for dense_row, sparse_row in zip(rows[-2 * len(args.loops)::2], rows[-2 * len(args.loops) + 1::2]):
+            print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} {dense_row['loop']:11s} first token "
+                  f"{dense_row['ttft_ms']:8.2f} -> {sparse_row['ttft_ms']:8.2f} ms   decode "
+                  f"{dense_row['tokens_per_s'] or 0:9.1f} -> {sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   rel_err "
+                  f"{quality['rel_err']:.2e} over {quality['steps_compared']} steps, same tokens "
+                  f"{quality['same_tokens']} ({time.perf_counter() - started:.1f} s)", flush=True)
         sparse = pruned = outputs = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -204,6 +216,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--patterns", nargs="+", default=None, help=f"pruning patterns, e.g. {' '.join(PATTERNS)}")
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["graphs"])
+    parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=list(LOOPS),
+                        help="what generates: model.generate, sparsecc.generation.greedy_loop (default both)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens (default 512)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence (default 128)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per impl, the median kept (default 3)")
@@ -249,8 +263,8 @@ def main(argv=None) -> dict:
 def plot(result: dict, path) -> None:
     """Per case, sparsecc's speedup over dense: time to the first token and decode tokens per second."""
     plot_generation_speedups(
-        result, path, lambda row: (row["model"], row["pattern"], row["batch"], row["mode"]),
-        lambda case: f"{case[0]} {case[1]}\nbatch {case[2]} {case[3]}", first_label="time to first token",
+        result, path, lambda row: (row["model"], row["pattern"], row["batch"], row["mode"], row.get("loop", "generate")),
+        lambda case: f"{case[0]} {case[1]}\nbatch {case[2]} {case[3]}\n{case[4]}", first_label="time to first token",
         title=f"generate, {result['device']}, torch {result['torch']}, transformers {result.get('transformers')}")
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ emptied before each: its tensors stay where they are, so CUDA graphs captured by
 cache made per call, as ``generate(cache_implementation="static")`` does, moves them). The command
 line's ``sparsecc bench --generate``, the sample ``samples/generate.py`` and
 ``benchmarks/generate.py`` time generation this way.
+
+``generate`` spends host time of its own on every step, and waits for the GPU to decide whether to
+go on; at batch 1 under CUDA graphs that is about as long as the forward pass, so it hides much of
+what a faster forward gains. :func:`greedy_loop` generates the same greedy tokens with nothing
+between two forwards but choosing the next token on the GPU, and ``time_generate(loop=
+"greedy_loop")`` times it the same way.
 """
 from __future__ import annotations
 
@@ -92,6 +98,46 @@ def greedy(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
                               pad_token_id=pad if pad is not None else 0, **kwargs)
 
 
+def greedy_loop(model: nn.Module, input_ids: torch.Tensor, *, new_tokens: int, cache, streamer=None) -> torch.Tensor:
+    """Greedy generation of exactly ``new_tokens`` tokens without ``generate``: the prompts'
+    forward, then one forward per new token on a static ``cache`` (:func:`static_cache`'s, emptied
+    first), each next token the argmax of the last logits, left on the device.
+
+    ``generate`` does work of its own between two forwards (its logits processors and stopping
+    checks, and the sync they need to decide whether to go on); with a forward replayed from CUDA
+    graphs that work is about as long as the forward at batch 1, and the GPU waits for it. Here
+    nothing waits: the host issues step after step while the GPU runs them, so the forward sets
+    the pace. The tokens are the ones greedy ``generate`` picks without an end-of-sequence token
+    (none stops or is suppressed here). Prompts of one length, unpadded (no attention mask).
+    ``streamer``: as ``generate``'s, given the prompts, then each step's tokens (on the device).
+    Returns the prompts followed by the new tokens."""
+    if cache is None or isinstance(cache, str):
+        raise InputError("greedy_loop needs a cache object to fill in place: sparsecc.generation.static_cache(model, n)")
+    if new_tokens < 1:
+        raise InputError(f"greedy_loop makes at least one token, got new_tokens={new_tokens}")
+    batch, length = input_ids.shape
+    room = cache.get_max_length() if hasattr(cache, "get_max_length") else None
+    if room is not None and room < length + new_tokens:
+        raise InputError(f"the cache holds {room} tokens per sequence; prompts of {length} and {new_tokens} new "
+                         f"tokens need {length + new_tokens}")
+    _allocate(cache, model, batch)
+    cache.reset()
+    name = _cache_argument(model)
+    tokens, token = [input_ids], input_ids
+    position = torch.arange(length, device=input_ids.device)
+    if streamer is not None:
+        streamer.put(input_ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(input_ids=token, cache_position=position, use_cache=True, **{name: cache}).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            if streamer is not None:
+                streamer.put(token)
+            position = position[-1:] + 1
+    return torch.cat(tokens, dim=1)
+
+
 def _allocate(cache, model: nn.Module, batch: int) -> None:
     """Make a static cache's tensors before the first forward. Left to the first forward, they are
     made inside it; under torch.compile they are then not marked static, and CUDA graphs skip the
@@ -115,21 +161,29 @@ def static_cache(model: nn.Module, max_cache_len: int):
 
 
 def time_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                  new_tokens: int, cache=None, repeats: int = 3, warmup: int = 1) -> GenerationTiming:
+                  new_tokens: int, cache=None, repeats: int = 3, warmup: int = 1,
+                  loop: str = "generate") -> GenerationTiming:
     """Time greedy generation of ``new_tokens`` tokens after the prompts ``input_ids``: ``warmup``
-    untimed calls (:data:`GRAPH_WARMUP` for CUDA graphs), then the medians of ``repeats`` timed ones."""
+    untimed calls (:data:`GRAPH_WARMUP` for CUDA graphs), then the medians of ``repeats`` timed ones.
+    ``loop``: ``"generate"`` (:func:`greedy`, ``model.generate``) or ``"greedy_loop"``
+    (:func:`greedy_loop`: a static cache, no attention mask)."""
     return time_generate_each({"model": model}, input_ids, attention_mask, new_tokens=new_tokens, cache=cache,
-                              repeats=repeats, warmup=warmup)["model"]
+                              repeats=repeats, warmup=warmup, loop=loop)["model"]
 
 
 def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache=None,
-                       repeats: int = 3, warmup: int = 1) -> dict[str, GenerationTiming]:
+                       repeats: int = 3, warmup: int = 1, loop: str = "generate") -> dict[str, GenerationTiming]:
     """:func:`time_generate` for several models (by name) on the same prompts, their timed calls
     interleaved round by round, so a burst of other work on the machine falls on all alike."""
     if new_tokens < 1 or repeats < 1 or warmup < 0:
         raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
                          f"{new_tokens}, {repeats}, {warmup}")
+    if loop not in LOOPS:
+        raise InputError(f"loop={loop!r}: the loops are {sorted(LOOPS)}")
+    if loop == "greedy_loop" and attention_mask is not None:
+        raise InputError("greedy_loop takes prompts of one length without an attention mask")
+    run = LOOPS[loop]
     if cache == "static":       # one per model, kept across the calls (see the module docstring)
         caches = {name: static_cache(model, input_ids.shape[1] + new_tokens) for name, model in models.items()}
     elif isinstance(cache, dict):
@@ -138,13 +192,13 @@ def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
         caches = {name: cache for name in models}
     for name, model in models.items():
         for _ in range(warmup):
-            greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=caches[name])
+            run(model, input_ids, attention_mask, new_tokens=new_tokens, cache=caches[name])
     ttfts: dict[str, list[float]] = {name: [] for name in models}
     rates: dict[str, list[float]] = {name: [] for name in models}
     last = {}
     for _ in range(repeats):
         for name, model in models.items():
-            ttft, rate, last[name] = _timed_call(model, input_ids, attention_mask, new_tokens, caches[name])
+            ttft, rate, last[name] = _timed_call(run, model, input_ids, attention_mask, new_tokens, caches[name])
             ttfts[name].append(ttft)
             if rate is not None:
                 rates[name].append(rate)
@@ -153,18 +207,30 @@ def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
             for name in models}
 
 
-def _timed_call(model, input_ids, attention_mask, new_tokens, cache):
-    """One generation: (ms to the first token, decode tokens per second or None, the sequences)."""
+def _timed_call(run, model, input_ids, attention_mask, new_tokens, cache):
+    """One generation by ``run`` (a value of :data:`LOOPS`): (ms to the first token, decode tokens
+    per second or None, the sequences)."""
     device = input_ids.device
     clock = FirstTokenClock(device)
     _synchronize(device)
     start = time.perf_counter()
-    sequences = greedy(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
+    sequences = run(model, input_ids, attention_mask, new_tokens=new_tokens, cache=cache, streamer=clock)
     _synchronize(device)
     end = time.perf_counter()
     first = clock.first_token_at if clock.first_token_at is not None else end
     rate = input_ids.shape[0] * (new_tokens - 1) / max(end - first, 1e-9) if new_tokens > 1 else None
     return (first - start) * 1e3, rate, sequences
+
+
+def _greedy_loop(model, input_ids, attention_mask, *, new_tokens, cache, streamer=None):
+    """:func:`greedy_loop` called as :func:`greedy` is (the mask is None: time_generate_each checks)."""
+    if cache == "static":
+        cache = static_cache(model, input_ids.shape[1] + new_tokens)
+    return greedy_loop(model, input_ids, new_tokens=new_tokens, cache=cache, streamer=streamer)
+
+
+#: what generates in a timed call, by name (``time_generate``'s ``loop``)
+LOOPS = {"generate": greedy, "greedy_loop": _greedy_loop}
 
 
 def _cache_argument(model: nn.Module) -> str:

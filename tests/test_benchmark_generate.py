@@ -1,6 +1,6 @@
 """benchmarks/generate.py on the CPU: the cases its arguments select, the logits comparison, and
 a smoke run on tiny models of both families with each pattern forced onto its format: a dense
-and a sparsecc row per case, sparsecc's on sparse formats and planned from one token to the
+and a sparsecc row per case and loop (``generate`` and ``greedy_loop``), sparsecc's on sparse formats and planned from one token to the
 prompts, the same tokens and logits within fp32 tolerance, a results file and its plot."""
 import importlib.util
 import json
@@ -49,9 +49,10 @@ def test_a_tiny_run_on_the_cpu(tmp_path, monkeypatch):
                          "--patterns", "2:4", "block64x64@0.1", "unstructured@0.5", "--prompt", "12",
                          "--new-tokens", "5", "--repeats", "1"])
     rows = result["rows"]
-    assert len(rows) == 2 * 2 * 3                       # two models, three patterns, dense and sparsecc
+    assert len(rows) == 2 * 2 * 3 * 2               # two models, three patterns, dense and sparsecc, two loops
+    assert [row["loop"] for row in rows[:4]] == ["generate", "generate", "greedy_loop", "greedy_loop"]
     for dense, sparse in zip(rows[::2], rows[1::2]):
-        assert (dense["impl"], sparse["impl"]) == ("dense", "sparsecc")
+        assert (dense["impl"], sparse["impl"]) == ("dense", "sparsecc") and dense["loop"] == sparse["loop"]
         assert dense["pattern"] == sparse["pattern"] and dense["model"] == sparse["model"]
         assert bench.format_of(sparse["pattern"]) in sparse["choices"]
         assert sparse["m_range"] == [2, 2 * 12] and sparse["M"] == 24

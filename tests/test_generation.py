@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsecc.errors import InputError
-from sparsecc.generation import FirstTokenClock, greedy, static_cache, time_generate, time_generate_each
+from sparsecc.generation import FirstTokenClock, greedy, greedy_loop, static_cache, time_generate, time_generate_each
 
 from models import llama_lm
 
@@ -71,3 +71,58 @@ def test_a_static_cache_kept_across_calls_stays_in_place_and_generates_alike():
     other = torch.randint(3, 256, (2, 6))
     assert torch.equal(greedy(model, other, new_tokens=4, cache=cache), greedy(model, other, new_tokens=4))
     assert [layer.keys.data_ptr() for layer in cache.layers] == where
+
+
+@pytest.mark.parametrize("make", ["llama_lm", "gpt2_lm"])
+def test_the_greedy_loop_picks_generates_tokens(make):
+    """Without an end-of-sequence token, the loop's tokens are greedy generate's, on the model and
+    on its sparsecc-compiled 2:4 form (fp32: the same sums up to order), the prompt first."""
+    import sparsecc
+    import models
+    torch.manual_seed(0)
+    model = getattr(models, make)()
+    model.generation_config.eos_token_id = None
+    sparsecc.prune(model, "2:4", exclude=["*embed*", "*lm_head*", "*wte*", "*wpe*"])
+    ids = torch.randint(3, 256, (2, 6))
+    compiled = sparsecc.compile(model, ids, formats=("2:4",))
+    want = greedy(model, ids, new_tokens=7)
+    seen = []
+
+    class Streamer:
+        def put(self, value):
+            seen.append(value.shape)
+
+        def end(self):
+            pass
+
+    for runner in (model, compiled):
+        cache = static_cache(runner, 6 + 7)
+        assert torch.equal(greedy_loop(runner, ids, new_tokens=7, cache=cache), want)
+        assert torch.equal(greedy_loop(runner, ids, new_tokens=7, cache=cache, streamer=Streamer()), want)  # reused
+    assert seen == ([(2, 6)] + [(2, 1)] * 7) * 2
+
+
+def test_the_greedy_loop_refuses_what_it_cannot_do():
+    torch.manual_seed(0)
+    model = llama_lm()
+    ids = torch.randint(3, 256, (1, 6))
+    with pytest.raises(InputError, match="needs a cache object"):
+        greedy_loop(model, ids, new_tokens=2, cache=None)
+    with pytest.raises(InputError, match="holds 7 tokens per sequence; prompts of 6 and 2 new tokens need 8"):
+        greedy_loop(model, ids, new_tokens=2, cache=static_cache(model, 7))
+    with pytest.raises(InputError, match="at least one token"):
+        greedy_loop(model, ids, new_tokens=0, cache=static_cache(model, 7))
+
+
+def test_time_generate_times_the_greedy_loop_too():
+    torch.manual_seed(0)
+    model = llama_lm()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 256, (2, 5))
+    timing = time_generate(model, ids, new_tokens=4, cache="static", repeats=2, warmup=0, loop="greedy_loop")
+    assert timing.ttft_ms > 0 and timing.tokens_per_s > 0
+    assert torch.equal(timing.sequences, greedy(model, ids, new_tokens=4))
+    with pytest.raises(InputError, match="the loops are"):
+        time_generate(model, ids, new_tokens=4, loop="sample")
+    with pytest.raises(InputError, match="without an attention mask"):
+        time_generate(model, ids, torch.ones_like(ids), new_tokens=4, cache="static", loop="greedy_loop")

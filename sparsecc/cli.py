@@ -4,7 +4,7 @@
     sparsecc compile MODEL --out model.pt [--prune ...] [--kernels DIR]
     sparsecc generate (MODEL | plan.json) --arch sm_90a --out DIR
     sparsecc bench MODEL [--prune ...] [--json]
-    sparsecc bench CAUSAL_LM --generate [--new-tokens N] [--cache static] [--prune ...]
+    sparsecc bench CAUSAL_LM --generate [--new-tokens N] [--cache static [--loop greedy_loop]] [--prune ...]
     sparsecc tune MODEL [--prune ...] [--m-range LO HI] [--all]
     sparsecc tune --shapes NxK ... --ms M ... [--dtype float16]
     sparsecc calibrate
@@ -154,6 +154,8 @@ def _bench_generate(args) -> int:
                          f"{' or '.join(CAUSAL)}, or file.py:function returning one")
     if args.new_tokens < 1:
         raise InputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if args.loop == "greedy_loop" and args.cache != "static":
+        raise InputError("--loop greedy_loop fills a static cache: add --cache static")
     model, inputs = _prepared(args)
     if not generates(model):
         raise InputError(f"{args.model} cannot generate: --generate takes a causal LM with a generate method "
@@ -164,14 +166,14 @@ def _bench_generate(args) -> int:
                              objective=args.objective)
     warmup = GRAPH_WARMUP if args.cache == "static" and inputs.device.type == "cuda" else 1
     timings = time_generate_each({"eager": model, "sparsecc": compiled}, inputs, new_tokens=args.new_tokens,
-                                 cache=args.cache, repeats=args.repeats, warmup=warmup)
+                                 cache=args.cache, repeats=args.repeats, warmup=warmup, loop=args.loop)
     rows = [{"impl": name, "ttft_ms": t.ttft_ms, "tokens_per_s": t.tokens_per_s, "sequences": t.sequences}
             for name, t in timings.items()]
     same = torch.equal(rows[0].pop("sequences"), rows[1].pop("sequences"))
     plan = compiled.sparsecc_plan
     decode = (rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]) if rows[0]["tokens_per_s"] else None
     summary = {"model": args.model, "device": str(inputs.device), "batch": inputs.shape[0], "prompt": inputs.shape[1],
-               "new_tokens": args.new_tokens, "cache": args.cache or "dynamic", "rows": rows,
+               "new_tokens": args.new_tokens, "cache": args.cache or "dynamic", "loop": args.loop, "rows": rows,
                "ttft_speedup": rows[0]["ttft_ms"] / rows[1]["ttft_ms"], "decode_speedup": decode,
                "same_tokens": same, "m_range": plan.sites[0].m_range if plan.sites else None,
                "weight_bytes_before": plan.bytes_before, "weight_bytes_after": plan.bytes_after}
@@ -328,6 +330,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache", choices=("static",), default=None,
                        help="with --generate: the static KV cache (default: the dynamic one); on the GPU, "
                             "generate then compiles each decode step with CUDA graphs, for both models")
+    bench.add_argument("--loop", choices=("generate", "greedy_loop"), default="generate",
+                       help="with --generate: model.generate (default), or sparsecc.generation.greedy_loop "
+                            "(greedy decoding without generate's work between steps; needs --cache static)")
     bench.add_argument("--repeats", type=int, default=3, help="with --generate: timed calls, the median kept")
     bench.set_defaults(run=_bench)
     tun = commands.add_parser("tune", help="time the kernels' launches on this GPU for a model's (or given) shapes",

@@ -176,6 +176,13 @@ def test_bench_generate_times_a_causal_lm(tmp_path, capsys):
                      "--cache", "static"]) == 0
     out = capsys.readouterr().out
     assert "first token" in out and "tokens/s" in out and "same tokens: yes" in out
+    assert cli.main(["bench", f"{script}:lm", "--generate", "--device", "cpu", "--new-tokens", "3", "--repeats", "1",
+                     "--cache", "static", "--loop", "greedy_loop", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["loop"] == "greedy_loop" and summary["same_tokens"] is True
+    assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in summary["rows"])
+    assert cli.main(["bench", f"{script}:lm", "--generate", "--device", "cpu", "--loop", "greedy_loop"]) == 2
+    assert "--loop greedy_loop fills a static cache: add --cache static" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["mlp", "llama-1b"])

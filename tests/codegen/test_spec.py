@@ -87,3 +87,16 @@ def test_small_batch_kernels_stream_their_weights_and_keep_x_in_l1():
 
 def test_templates_digest_is_stable():
     assert templates_digest() == templates_digest() and len(templates_digest()) == 64
+
+
+@pytest.mark.parametrize("spec", [KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 128, 128),
+                                             schedule=Schedule.PINGPONG),
+                                  KernelSpec(Family.SM90_SPARSE24, "bfloat16"), KernelSpec(Family.SM90_DENSE, "float16")])
+def test_cutlass_gemms_run_exact_gelu_as_the_polynomial_on_the_device(spec):
+    """The CUTLASS GEMMs' epilogue computes exact GELU with the polynomial functor on the device
+    (CUTLASS's erff GELU bound their epilogue); the other families keep their own choice."""
+    source = render(spec)
+    assert "struct GeluPolynomial<float>" in source and "return exact_gelu(value);" in source
+    assert "return GeluPolynomial<T>{}(value);" in source and "RuntimeActivation<T>::exact_gelu(value[i])" in source
+    other = render(KernelSpec(Family.GEMV_SM90_SPARSE24, "float16"))
+    assert "exact_gelu" not in other and "cutlass::epilogue::thread::GELU<T>{}(value)" in other

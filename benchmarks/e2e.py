@@ -22,9 +22,10 @@ fp16, microseconds per call from Python (``us_eager``; ``us`` is left null): the
 sees whether the host or the GPU sets the pace. The implementations of a model are compiled
 first, then timed in :data:`ROUNDS` interleaved rounds, each keeping its median, so that a
 drift of the host's speed during the run reaches them all alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
-(the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``) and, for the
-backend, ``graphs_raced``: per graph it raced, the microseconds per call of the rewritten and the
-dense graph on the example inputs (the faster by 2% was kept).
+(the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``) and
+``graphs_raced``: per graph the backend raced (for sparsecc-graphs: the model ``sparsecc.compile``
+raced), the microseconds per call with the sparse layers and dense on the example inputs (the
+faster by 2% was kept).
 ``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
 (``torch.compile(model, backend="sparsecc", mode="reduce-overhead")``) and sparsecc-graphs
@@ -157,7 +158,8 @@ def main(argv=None) -> dict:
                               "us": None, "us_eager": None, "rel_err": relative_error(out, reference),
                               "compile_s": round(compile_s, 1), "sites": len(choices),
                               "sparse_sites": sum(c != "dense" for c in choices),
-                              "graphs_raced": [list(g.raced) for g in COMPILED[before:] if g.raced is not None]}
+                              "graphs_raced": [list(g.raced) for g in COMPILED[before:] if g.raced is not None]
+                              or [p.checked for p in plans if p is not None and p.checked]}
             times = {impl: [] for impl in compiled}
             for _ in range(ROUNDS):
                 for impl, fn in compiled.items():

@@ -381,6 +381,9 @@ def test_the_whole_model_check_keeps_the_compiled_model_only_if_faster(monkeypat
     assert torch.equal(dense_out, model(x))
     assert_rel_close(compiled(x), model(x), torch.float32)
     plan = compiled.sparsecc_plan
+    assert plan.checked == ([50.0, 100.0] if sparse_faster else [100.0, 101.0])
+    assert "timed as a whole on the example inputs: " in plan.table()
+    assert sparsecc.Plan.from_json(plan.to_json()).checked == plan.checked
     if sparse_faster:
         assert "2:4" in plan.choices().values()
     else:

@@ -64,6 +64,9 @@ class Plan:
     version: int = PLAN_VERSION
     #: the launches tuned on this GPU while planning and packing (sparsecc.kernels.tune.Tuned)
     tuning: list[dict] = field(default_factory=list)
+    #: microseconds per call on the example inputs, with the sparse layers and dense, where the
+    #: whole model (or graph) was timed both ways before one was kept (sparsecc.planner.check)
+    checked: list[float] | None = None
 
     def __iter__(self):
         return iter(self.sites)
@@ -114,6 +117,9 @@ class Plan:
             lines += [f"{s.label}: {s.choice} -- {s.reason}" for s in self.sites]
         for path, why in self.untraced.items():
             lines.append(f"untraced {path}: {why}")
+        if self.checked:
+            lines.append(f"timed as a whole on the example inputs: {self.checked[0]:.0f} us per call with the sparse "
+                         f"layers, {self.checked[1]:.0f} us dense")
         if self.tuning:
             seconds = sum(t["seconds"] for t in self.tuning)
             lines.append(f"tuned on this GPU: {len(self.tuning)} launch choice(s) in {seconds:.1f} s")

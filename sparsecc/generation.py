@@ -116,7 +116,7 @@ def greedy_loop(model: nn.Module, input_ids: torch.Tensor, *, new_tokens: int, c
     if new_tokens < 1:
         raise InputError(f"greedy_loop makes at least one token, got new_tokens={new_tokens}")
     batch, length = input_ids.shape
-    room = cache.get_max_length() if hasattr(cache, "get_max_length") else None
+    room = _room(cache)
     if room is not None and room < length + new_tokens:
         raise InputError(f"the cache holds {room} tokens per sequence; prompts of {length} and {new_tokens} new "
                          f"tokens need {length + new_tokens}")
@@ -136,6 +136,15 @@ def greedy_loop(model: nn.Module, input_ids: torch.Tensor, *, new_tokens: int, c
                 streamer.put(token)
             position = position[-1:] + 1
     return torch.cat(tokens, dim=1)
+
+
+def _room(cache) -> int | None:
+    """The tokens per sequence a static cache holds, where it keeps all of them (a layer with a
+    sliding window keeps its last tokens, whatever the length); None where no layer says."""
+    full = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())
+            if not getattr(layer, "is_sliding", False)]
+    full = [n for n in full if n is not None]
+    return min(full) if full else None
 
 
 def _allocate(cache, model: nn.Module, batch: int) -> None:

@@ -59,6 +59,24 @@ def llama_lm(hidden=64, layers=2, intermediate=128, vocab=256):
                                         max_position_embeddings=128, pad_token_id=0)).eval()
 
 
+def qwen2_lm(hidden=64, layers=2, intermediate=128, vocab=256):
+    """A Qwen2 causal LM (Qwen2ForCausalLM: biases on q, k and v); token 0 pads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=intermediate, vocab_size=vocab,
+                                        max_position_embeddings=128, pad_token_id=0)).eval()
+
+
+def mistral_lm(hidden=64, layers=2, intermediate=128, vocab=256, window=8):
+    """A Mistral causal LM (MistralForCausalLM) whose attention sees the last ``window`` tokens
+    (a sliding window shorter than a prompt plus its new tokens); token 0 pads."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=intermediate, vocab_size=vocab,
+                                            max_position_embeddings=128, pad_token_id=0,
+                                            sliding_window=window)).eval()
+
+
 def gpt2_lm(hidden=64, layers=2, vocab=256):
     """A GPT-2 causal LM (GPT2LMHeadModel, its head tied to the token embedding); token 0 pads."""
     from transformers import GPT2Config, GPT2LMHeadModel

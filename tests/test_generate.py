@@ -1,5 +1,6 @@
 """Generation with a KV cache on the CPU: a pruned causal LM compiled by sparsecc generates,
-greedily, the tokens the pruned model generates -- Llama and GPT-2, 2:4 and unstructured (forced
+greedily, the tokens the pruned model generates -- Llama, GPT-2, Qwen2 (biased q, k, v) and Mistral
+(a sliding window shorter than the text), 2:4 and unstructured (forced
 onto sparse formats, which the CPU cost model would not pick at these sizes), the dynamic and the
 static cache, a batch with a left-padded row -- with each step's logits within fp32 tolerance and
 every step on sparsecc's sparse ops: the prompt at M = batch x prompt length, each new token at
@@ -18,11 +19,12 @@ from sparsecc import CostModel
 from sparsecc.generation import GRAPH_WARMUP, greedy, static_cache
 
 from conftest import rel_error
-from models import gpt2_lm, llama, llama_lm
+from models import gpt2_lm, llama, llama_lm, mistral_lm, qwen2_lm
 
-BUILD = {"llama": llama_lm, "gpt2": gpt2_lm}
-#: the linear layers of one block: Llama q, k, v, o, gate, up, down; GPT-2 c_attn, c_proj, c_fc, c_proj
-BLOCK_SITES = {"llama": 7, "gpt2": 4}
+BUILD = {"llama": llama_lm, "gpt2": gpt2_lm, "qwen2": qwen2_lm, "mistral": mistral_lm}
+#: the linear layers of one block: Llama (Qwen2, Mistral) q, k, v, o, gate, up, down; GPT-2 c_attn,
+#: c_proj, c_fc, c_proj
+BLOCK_SITES = {"llama": 7, "gpt2": 4, "qwen2": 7, "mistral": 7}
 LAYERS = 2
 #: pruning pattern -> the formats compile is restricted to
 PATTERNS = {"2:4": ("2:4",), "unstructured@0.3": ("csr",)}

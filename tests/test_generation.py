@@ -73,7 +73,7 @@ def test_a_static_cache_kept_across_calls_stays_in_place_and_generates_alike():
     assert [layer.keys.data_ptr() for layer in cache.layers] == where
 
 
-@pytest.mark.parametrize("make", ["llama_lm", "gpt2_lm"])
+@pytest.mark.parametrize("make", ["llama_lm", "gpt2_lm", "qwen2_lm", "mistral_lm"])
 def test_the_greedy_loop_picks_generates_tokens(make):
     """Without an end-of-sequence token, the loop's tokens are greedy generate's, on the model and
     on its sparsecc-compiled 2:4 form (fp32: the same sums up to order), the prompt first."""

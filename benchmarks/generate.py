@@ -137,6 +137,16 @@ def set_recompile_limit(limit: int = 64) -> None:
             setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
 
 
+def time_loop(loop: str, models: dict, prompts, cache, args, mode: str) -> dict:
+    """Each model's generation timing by ``loop`` (sparsecc.generation.LOOPS), the models' calls
+    interleaved; ``greedy_loop`` fills a static cache in either mode (one per model if ``cache`` is
+    not already one per model)."""
+    if loop == "greedy_loop" and not isinstance(cache, dict):
+        cache = {impl: static_cache(model, args.prompt + args.new_tokens) for impl, model in models.items()}
+    return time_generate_each(models, prompts, new_tokens=args.new_tokens, cache=cache, repeats=args.repeats,
+                              warmup=GRAPH_WARMUP if mode == "graphs" else 1, loop=loop)
+
+
 def run_group(name: str, batch: int, patterns: list[str], mode: str, args, device, dtype) -> list[dict]:
     """All patterns of one model, batch and mode: the dense model compiled once, its weights replaced in
     place by each pattern's, and a sparsecc model compiled per pattern."""
@@ -168,14 +178,8 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
             sparse.generation_config = copy.deepcopy(sparse.generation_config)
             sparse.generation_config.disable_compile = True
             caches["sparsecc"] = static_cache(sparse, args.prompt + args.new_tokens)
-        warmup = GRAPH_WARMUP if mode == "graphs" else 1
         models = {"dense": dense, "sparsecc": sparse}
-        timed = {}
-        for loop in args.loops:          # greedy_loop fills a static cache, in either mode
-            static = caches or {impl: static_cache(m, args.prompt + args.new_tokens) for impl, m in models.items()}
-            timed[loop] = time_generate_each(models, prompts, new_tokens=args.new_tokens,
-                                             cache=static if loop == "greedy_loop" else caches or cache,
-                                             repeats=args.repeats, warmup=warmup, loop=loop)
+        timed = {loop: time_loop(loop, models, prompts, caches or cache, args, mode) for loop in args.loops}
         outputs = {impl: greedy(model, prompts, new_tokens=args.new_tokens, cache=caches.get(impl, cache),
                                 output_logits=True, return_dict_in_generate=True) for impl, model in (("dense", dense), ("sparsecc", sparse))}
         quality = compare_logits(outputs["dense"], outputs["sparsecc"])

@@ -139,18 +139,17 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
 
 def _checks_whole(asked: bool | None, prepared: _Prepared, decisions: dict, given, formats) -> bool:
     """Whether compile times the compiled model against the dense one (``check_graph``)."""
-    model = prepared.model
-    inputs = [v for v in pytree.tree_leaves((prepared.args, prepared.kwargs)) if v is not None]
-    if (asked is False or model.training or all(d is None for d in decisions.values()) or prepared.plan.untraced
-            or any(part.holder is not None for part in prepared.traced.parts)
-            or not check.can_run_again([part.gm for part in prepared.traced.parts], inputs)):
+    if (asked is False or prepared.model.training or all(d is None for d in decisions.values())
+            or prepared.plan.untraced or any(part.holder is not None for part in prepared.traced.parts)):
         return False
-    if asked:
-        return True
-    allowed = _parse_formats(formats)
-    ranged = any(s.m_range and s.m_range[0] != s.m_range[1] for s in prepared.plan.sites)
-    dense_allowed = allowed is None or any(f.kind == "dense" for f in allowed)
-    return prepared.plan.device.startswith("cuda") and given is None and not ranged and dense_allowed
+    if not asked:
+        allowed = _parse_formats(formats)
+        ranged = any(s.m_range and s.m_range[0] != s.m_range[1] for s in prepared.plan.sites)
+        dense_allowed = allowed is None or any(f.kind == "dense" for f in allowed)
+        if not (prepared.plan.device.startswith("cuda") and given is None and not ranged and dense_allowed):
+            return False
+    inputs = [v for v in pytree.tree_leaves((prepared.args, prepared.kwargs)) if v is not None]
+    return check.can_run_again([part.gm for part in prepared.traced.parts], inputs)
 
 
 def _dense_unless_faster(compiled: nn.Module, prepared: _Prepared) -> nn.Module:

@@ -313,10 +313,16 @@ def _fp8_site(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Opti
     return _finish(y, lead, bias, activation, transpose_out, x.dtype)
 
 
-@_define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
-         "str activation, bool x_transposed, bool transpose_out) -> Tensor",
-         lambda x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out:
-         x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out)))
+#: the arguments of the quantized sites with a dense e4m3 weight (linear_fp8, linear_fp8_scaled_mm)
+_FP8_DENSE_ARGS = ("(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+                   "str activation, bool x_transposed, bool transpose_out) -> Tensor")
+
+
+def _fp8_dense_shape(x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out):
+    return x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out))
+
+
+@_define("linear_fp8" + _FP8_DENSE_ARGS, _fp8_dense_shape)
 def linear_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
                bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
     """A quantized site with a dense e4m3 weight (see :func:`_fp8_site`)."""
@@ -398,10 +404,7 @@ def scaled_mm_product(x2d: Tensor, weight: Tensor, weight_scale: Tensor, input_s
                             bias=bias, out_dtype=x2d.dtype, use_fast_accum=False)
 
 
-@_define("linear_fp8_scaled_mm(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
-         "str activation, bool x_transposed, bool transpose_out) -> Tensor",
-         lambda x, weight, weight_scale, input_scale, bias, activation, x_transposed, transpose_out:
-         x.new_empty(output_shape(x, x_transposed, weight.shape[0], transpose_out)))
+@_define("linear_fp8_scaled_mm" + _FP8_DENSE_ARGS, _fp8_dense_shape)
 def linear_fp8_scaled_mm(x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
                          bias: Optional[Tensor], activation: str, x_transposed: bool, transpose_out: bool) -> Tensor:
     """A quantized site with a dense e4m3 weight, its product and bias on ``torch._scaled_mm``

@@ -409,6 +409,9 @@ class CostModel:
                        for s in candidates]
         best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
         worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
+        by_rows = self._by_rows_ratio(stats, candidates, declared, ranges, times, best_per_bucket)
+        if by_rows is not None:         # 2:4 may run the low end only: shortlisted by what it runs there
+            worst_ratio[NM_2_4] = min(worst_ratio[NM_2_4], by_rows)
         buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
                    for rep in [representative_m(lo, hi)]]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
@@ -502,6 +505,20 @@ class CostModel:
         if NM_2_4 not in shortlist or not self.uses_kernel(stats, NM_2_4) or declared[0] == declared[1]:
             return None
         return registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
+
+    def _by_rows_ratio(self, stats: WeightStats, candidates, declared: tuple[int, int], ranges, times,
+                       best_per_bucket) -> float | None:
+        """Where 2:4 has a small-batch tier over ``declared``, the worst ratio to the fastest
+        prediction of 2:4 run by rows: the tier's kernels predicted in the buckets it serves,
+        dense above (the top's 2:4 prediction is the GEMMs', which may be far off dense while
+        the small-batch kernels win at the low end). None without a tier."""
+        tier = self._small_batch_tier(stats, candidates, declared)
+        if tier is None:
+            return None
+        limit, host = tier[1], self._extra_host_us(NM_2_4)
+        ratios = [(self.predict_us(stats, NM_2_4, rep, rep) + host if rep <= limit else times[DENSE][i])
+                  / best_per_bucket[i] for i, (_, _, rep) in enumerate(ranges)]
+        return max(1.0, max(ratios))
 
     def _with_small_batches(self, decision: Decision, tier: tuple[str, int], low: int,
                             low_measured: dict) -> Decision:

@@ -327,6 +327,31 @@ def test_small_batches_run_24_on_the_small_batch_kernels_of_their_size(gen, monk
                                              rel=0.05)
 
 
+def test_a_range_shortlists_24_by_what_its_small_batch_kernels_run(gen):
+    """Planned over M = 1..512 (a causal LM's prefill and decode), a 2048x2048 2:4 weight whose
+    GEMMs are predicted far behind dense at every batch is still timed as 2:4: at M=1 the
+    small-batch kernel runs it, predicted well ahead, and where the timing there confirms it
+    the site runs 2:4 at one row and the dense weight above."""
+    from sparsecc.ir.formats import NM_2_4
+    weight = torch.randn(2048, 2048, generator=gen).half() * n_m(2048, 2048, 2, 4, gen).ne(0)
+    stats = analyze(weight)
+    model = _h100()
+    model.measure = True
+    gemm_us = [model.predict_us(stats, NM_2_4, m, 512) for m in (1, 512)]
+    dense_us = [model.predict_us(stats, FormatSpec.parse("dense"), m, 512) for m in (1, 512)]
+    assert min(g / d for g, d in zip(gemm_us, dense_us)) > 1.5      # the GEMMs alone: never shortlisted
+    timed = []
+
+    def measure(specs, m, planned_m):
+        timed.append((m, sorted(map(str, specs))))
+        return {s: 10.0 if s.kind == "dense" else (5.0 if m == 1 else 20.0) for s in specs}
+
+    decision = model.decide(stats, 512, None, measure_sites=measure, m_range=(1, 512))
+    assert all(specs == ["2:4", "dense"] for _, specs in timed)      # at the top bucket, then at M=1
+    assert timed[0][0] > 128 and timed[-1][0] == 1
+    assert decision.choice == NM_2_4 and decision.above == "dense", decision.reason
+
+
 def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     """Dense, 2:4 on sparsecc's kernels and n:m on torch cost the same for every weight of a shape: the
     second site of a shape takes the first one's times (one decision for a model's layers);

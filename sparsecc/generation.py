@@ -123,13 +123,15 @@ def greedy_loop(model: nn.Module, input_ids: torch.Tensor, *, new_tokens: int, c
     _allocate(cache, model, batch)
     cache.reset()
     name = _cache_argument(model)
+    last_only = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}   # as generate asks
     tokens, token = [input_ids], input_ids
     position = torch.arange(length, device=input_ids.device)
     if streamer is not None:
         streamer.put(input_ids)
     with torch.no_grad():
         for _ in range(new_tokens):
-            logits = model(input_ids=token, cache_position=position, use_cache=True, **{name: cache}).logits
+            logits = model(input_ids=token, cache_position=position, use_cache=True, **{name: cache},
+                           **last_only).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
             if streamer is not None:
@@ -245,8 +247,12 @@ LOOPS = {"generate": greedy, "greedy_loop": _greedy_loop}
 def _cache_argument(model: nn.Module) -> str:
     """The name ``generate`` takes a cache object by: ``cache`` in recent transformers (5.2x),
     ``past_key_values`` before (as the model's forward names it)."""
-    parameters = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    return "cache" if _takes(model, "cache") else "past_key_values"
+
+
+def _takes(model: nn.Module, argument: str) -> bool:
+    """Whether the model's forward has a parameter of this name."""
+    return argument in inspect.signature(type(model).forward).parameters
 
 
 def _synchronize(device: torch.device) -> None:

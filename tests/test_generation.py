@@ -76,7 +76,8 @@ def test_a_static_cache_kept_across_calls_stays_in_place_and_generates_alike():
 @pytest.mark.parametrize("make", ["llama_lm", "gpt2_lm", "qwen2_lm", "mistral_lm"])
 def test_the_greedy_loop_picks_generates_tokens(make):
     """Without an end-of-sequence token, the loop's tokens are greedy generate's, on the model and
-    on its sparsecc-compiled 2:4 form (fp32: the same sums up to order), the prompt first."""
+    on its sparsecc-compiled 2:4 form (fp32: the same sums up to order), the prompt first; the
+    LM head sees only each sequence's last position, the prompt's too (as in generate)."""
     import sparsecc
     import models
     torch.manual_seed(0)
@@ -95,11 +96,15 @@ def test_the_greedy_loop_picks_generates_tokens(make):
         def end(self):
             pass
 
+    head_rows = []
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[1]))
     for runner in (model, compiled):
         cache = static_cache(runner, 6 + 7)
         assert torch.equal(greedy_loop(runner, ids, new_tokens=7, cache=cache), want)
         assert torch.equal(greedy_loop(runner, ids, new_tokens=7, cache=cache, streamer=Streamer()), want)  # reused
     assert seen == ([(2, 6)] + [(2, 1)] * 7) * 2
+    assert head_rows and set(head_rows) == {1}
 
 
 def test_the_greedy_loop_refuses_what_it_cannot_do():

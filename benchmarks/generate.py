@@ -170,8 +170,6 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
             dense.load_state_dict(pruned.state_dict())    # in place: the dense graphs read the new weights
         sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
         plan = sparse.sparsecc_plan
-        if args.show_plan:
-            print(plan.table(), flush=True)
         if args.build_only:
             print(f"{name} {pattern} batch {batch}: compiled ({time.perf_counter() - started:.0f} s)", flush=True)
             continue
@@ -233,7 +231,6 @@ def main(argv=None) -> dict:
                         help="run each pattern's format wherever it fits (default: the cost model chooses)")
     parser.add_argument("--build-only", action="store_true",
                         help="compile every case's sparsecc model (building its kernels into the cache), time nothing")
-    parser.add_argument("--show-plan", action="store_true", help="print each sparsecc model's plan (its reasons)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)

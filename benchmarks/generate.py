@@ -35,8 +35,10 @@ kernels' rows (the prefill). Within a model and batch the dense model is
 compiled once: each pattern's pruned weights are copied into it in place (CUDA graphs read them
 where they are), so only sparsecc's graphs are compiled per pattern.
 
-Run as a script it sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned launches out
-(common.fixed_dispatch), as benchmarks/e2e.py. The default set -- Llama 2:4 and 64x64 blocks at
+sparsecc's kernels are tuned on each model's shapes as ``sparsecc.compile`` tunes them on a user's
+machine, into a table of the run's own (common.private_tuning: the per-machine table is neither read
+nor written); ``--fixed-dispatch`` runs the shipped table's launches instead, tuning nothing
+(common.fixed_dispatch, as benchmarks/e2e.py). The default set -- Llama 2:4 and 64x64 blocks at
 10% at batch 1 and 32, GPT-2 2:4 at batch 1, graphs mode -- took about 5-6 minutes on one H100
 with ``--loops generate`` once sparsecc's kernels for these shapes were in the cache (the first run
 also compiles them); ``greedy_loop`` adds its own CUDA graphs and timed calls.
@@ -60,10 +62,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import RESULTS, environment, fixed_dispatch, plot_generation_speedups, relative_error, write  # noqa: E402
-
-if __name__ == "__main__":
-    fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
+from common import (RESULTS, environment, fixed_dispatch, plot_generation_speedups, private_tuning,  # noqa: E402
+                    relative_error, write)
 
 import sparsecc  # noqa: E402
 from sparsecc.generation import GRAPH_WARMUP, LOOPS, greedy, static_cache, time_generate_each  # noqa: E402
@@ -170,6 +170,8 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
             dense.load_state_dict(pruned.state_dict())    # in place: the dense graphs read the new weights
         sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
         plan = sparse.sparsecc_plan
+        if args.show_plan:
+            print(plan.table(), flush=True)
         if args.build_only:
             print(f"{name} {pattern} batch {batch}: compiled ({time.perf_counter() - started:.0f} s)", flush=True)
             continue
@@ -231,6 +233,9 @@ def main(argv=None) -> dict:
                         help="run each pattern's format wherever it fits (default: the cost model chooses)")
     parser.add_argument("--build-only", action="store_true",
                         help="compile every case's sparsecc model (building its kernels into the cache), time nothing")
+    parser.add_argument("--show-plan", action="store_true", help="print each sparsecc model's plan (its reasons)")
+    parser.add_argument("--fixed-dispatch", action="store_true",
+                        help="run the shipped tuning table's launches, tuning nothing (default: tune as compile does)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)
@@ -242,6 +247,10 @@ def main(argv=None) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device (use --device cpu --tiny for a smoke run)")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
+    if args.fixed_dispatch:
+        fixed_dispatch()
+    else:
+        private_tuning("generate")
     set_recompile_limit()
     result = environment("generate")
     result["transformers"] = __import__("transformers").__version__

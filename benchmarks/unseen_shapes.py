@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, plot_per_dtype, rotating, time_eager_us, time_graph_us, write  # noqa: E402
+from common import environment, plot_per_dtype, private_tuning, rotating, time_eager_us, time_graph_us, write  # noqa: E402
 
 import sparsecc  # noqa: E402
 from sparsecc.ir.formats import NM_2_4, FormatSpec  # noqa: E402
@@ -108,11 +106,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("unseen_shapes.py times sparsecc's kernels: it needs a Hopper GPU")
-    os.environ["SPARSECC_TUNE"] = "new"
+    private_tuning("unseen_shapes")
     shipped = {(e["N"], e["K"]) for e in tune.shipped_entries()}
     shapes = [shape(s) for s in args.shapes]
     dtypes = [getattr(torch, d) for d in args.dtypes]
-    tune.use(tune.TuningTable(tune.shipped_entries(), Path(tempfile.mkdtemp()) / "tuning.json", "unseen_shapes"))
     result = environment(args.stem)
     result["build_s"] = round(prebuild(dtypes, shapes, args.ms), 1)
     result["tuning"] = []

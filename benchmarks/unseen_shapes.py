@@ -70,11 +70,12 @@ def prebuild(dtypes, shapes, ms) -> float:
 
 
 def tune_shape(dtype, n_k, ms) -> dict:
-    """Tune every bucket the batches ``ms`` need for a 2:4 weight of this shape: the family
-    choice at each M, then the chosen family's bucket; seconds in all and per bucket."""
+    """Tune every bucket the batches ``ms`` need for a 2:4 weight of this shape as packing does:
+    at each M the two families that may serve it (sparse24_small.choose), then the chosen
+    family's bucket; seconds in all and per bucket."""
     before, start = len(tune.LOG), time.perf_counter()
     for m in ms:
-        family = choose(dtype, n_k, m)
+        family = choose(dtype, n_k, m, tune_first=True, progress=False)
         family.dispatch(dtype, n_k, (m, m))
     tuned = tune.log_since(before)
     seconds = time.perf_counter() - start

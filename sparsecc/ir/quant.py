@@ -37,10 +37,18 @@ def amax_scale(amax: Tensor) -> Tensor:
 
 def to_e4m3(values: Tensor, scale: Tensor) -> Tensor:
     """``values / scale`` rounded to the nearest e4m3 (ties to even), saturated at +-448, computed
-    in fp32; every zero is stored as +0. NaN stays NaN."""
-    scaled = (values.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX)
-    bits = scaled.to(E4M3).view(torch.uint8)
-    return torch.where(bits & 0x7F == 0, torch.zeros_like(bits), bits).view(E4M3)
+    in fp32; every zero is stored as +0. NaN stays NaN.
+
+    In as few passes over the values as torch's ops allow (this runs on every call of an FP8 site
+    with per-token scales): the division writes fp32 directly (a 16-bit tensor over an fp32 one of
+    one or more dimensions promotes to fp32, and converting 16-bit floats to fp32 is exact), the
+    saturation is done in place, and the signs of zeros are cleared on the one-byte codes."""
+    scale = scale.to(torch.float32)
+    scaled = torch.div(values, scale.reshape(1) if scale.dim() == 0 else scale)
+    if scaled.dtype != torch.float32:           # a float64 input
+        scaled = scaled.to(torch.float32)
+    bits = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8)
+    return bits.masked_fill_((bits & 0x7F) == 0, 0).view(E4M3)
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -57,9 +65,11 @@ def dequantize(weight: Tensor, scale: Tensor) -> Tensor:
 def quantize_input(x2d: Tensor, input_scale: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(x_q, s_x)`` for ``[M, K]`` rows: per token (``s_x [M, 1]``) when ``input_scale`` is None,
     else the static scale (a 0-d fp32 tensor)."""
-    if input_scale is None:
-        scale = amax_scale(x2d.detach().abs().amax(dim=1, keepdim=True)) if x2d.shape[1] else \
-            torch.ones(x2d.shape[0], 1, device=x2d.device)
+    if input_scale is None and x2d.shape[1]:   # max |x| per row from one pass (aminmax and maximum keep NaN)
+        low, high = torch.aminmax(x2d.detach(), dim=1, keepdim=True)
+        scale = amax_scale(torch.maximum(high, -low))
+    elif input_scale is None:
+        scale = torch.ones(x2d.shape[0], 1, device=x2d.device)
     else:
         scale = input_scale.to(torch.float32)
     return to_e4m3(x2d, scale), scale

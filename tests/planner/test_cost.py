@@ -447,6 +447,29 @@ def test_op_by_op_charges_sparse_predictions_their_host_time(gen):
     assert [p.us for p in cpu[0].candidates] == [p.us for p in cpu[1].candidates]
 
 
+def test_dense_host_time_is_the_one_product_inductor_calls(gen, monkeypatch):
+    """Op by op, a dense site costs the host one matrix product (Inductor fuses its bias and
+    activation into other kernels): that, not sparsecc's portable dense op with the epilogue, is
+    what a sparse op's host time is set against."""
+    import sparsecc.planner.cost as cost
+    dense, two_four = FormatSpec.parse("dense"), FormatSpec.parse("2:4")
+    weight = torch.randn(48, 64, generator=gen)
+    calls = {dense: 0, two_four: 0}
+
+    def runner(spec):
+        def run():
+            calls[spec] += 1
+        return run
+
+    measured = []
+    monkeypatch.setattr(cost, "host_us", lambda fn: measured.append(fn()) or 7.0)
+    issued = cost.host_times(weight, 5, {dense: runner(dense), two_four: runner(two_four)})
+    assert issued == {dense: 7.0, two_four: 7.0}
+    assert calls == {dense: 0, two_four: 1}                 # dense's runner is not what is timed
+    product = [out for out in measured if isinstance(out, torch.Tensor)]
+    assert len(product) == 1 and product[0].shape == (5, 48)
+
+
 def test_timed_sparse_formats_carry_their_extra_host_time():
     """Timed op by op, a sparse format's time grows by the host time its call takes beyond dense's
     (never shrinks: a call cheaper on the host than dense's gains nothing from it)."""

@@ -142,7 +142,7 @@ def time_loop(loop: str, models: dict, prompts, cache, args, mode: str) -> dict:
     interleaved; ``greedy_loop`` fills a static cache in either mode (one per model if ``cache`` is
     not already one per model)."""
     if loop == "greedy_loop" and not isinstance(cache, dict):
-        cache = {impl: static_cache(model, args.prompt + args.new_tokens) for impl, model in models.items()}
+        cache = "static"                # time_generate_each makes one per model
     return time_generate_each(models, prompts, new_tokens=args.new_tokens, cache=cache, repeats=args.repeats,
                               warmup=GRAPH_WARMUP if mode == "graphs" else 1, loop=loop)
 

@@ -409,7 +409,8 @@ class CostModel:
                        for s in candidates]
         best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
         worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
-        by_rows = self._by_rows_ratio(stats, candidates, declared, ranges, times, best_per_bucket)
+        tier = self._small_batch_tier(stats, candidates, declared)
+        by_rows = self._by_rows_ratio(stats, tier, ranges, times, best_per_bucket) if tier else None
         if by_rows is not None:         # 2:4 may run the low end only: shortlisted by what it runs there
             worst_ratio[NM_2_4] = min(worst_ratio[NM_2_4], by_rows)
         buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
@@ -437,7 +438,7 @@ class CostModel:
         if timing and not over_budget:
             start = time.perf_counter()
             measured = self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m))
-            tier = self._small_batch_tier(stats, shortlist, declared)
+            tier = tier if NM_2_4 in shortlist else None
             low = declared[0]
             low_measured = self._timed_settled(lambda: measure_sites(shortlist, low, low)) if tier else {}
             self.timing_spent_s += time.perf_counter() - start
@@ -498,23 +499,20 @@ class CostModel:
                         predictions, buckets)
 
     def _small_batch_tier(self, stats: WeightStats, shortlist, declared: tuple[int, int]) -> tuple[str, int] | None:
-        """Where 2:4 would run the low end of a declared range on other kernels than its top (the
-        small-batch ones), how the plan names them and the most rows they run
+        """Where 2:4, among ``shortlist``, would run the low end of a declared range on other kernels
+        than its top (the small-batch ones), how the plan names them and the most rows they run
         (:func:`~sparsecc.kernels.registry.small_batch_tier`): the shortlist is timed there too.
         None otherwise."""
         if NM_2_4 not in shortlist or not self.uses_kernel(stats, NM_2_4) or declared[0] == declared[1]:
             return None
         return registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
 
-    def _by_rows_ratio(self, stats: WeightStats, candidates, declared: tuple[int, int], ranges, times,
-                       best_per_bucket) -> float | None:
-        """Where 2:4 has a small-batch tier over ``declared``, the worst ratio to the fastest
+    def _by_rows_ratio(self, stats: WeightStats, tier: tuple[str, int], ranges, times,
+                       best_per_bucket) -> float:
+        """For 2:4 with a small-batch ``tier`` over the range, the worst ratio to the fastest
         prediction of 2:4 run by rows: the tier's kernels predicted in the buckets it serves,
         dense above (the top's 2:4 prediction is the GEMMs', which may be far off dense while
-        the small-batch kernels win at the low end). None without a tier."""
-        tier = self._small_batch_tier(stats, candidates, declared)
-        if tier is None:
-            return None
+        the small-batch kernels win at the low end)."""
         limit, host = tier[1], self._extra_host_us(NM_2_4)
         ratios = [(self.predict_us(stats, NM_2_4, rep, rep) + host if rep <= limit else times[DENSE][i])
                   / best_per_bucket[i] for i, (_, _, rep) in enumerate(ranges)]

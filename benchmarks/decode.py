@@ -11,7 +11,7 @@
 - ``sparsecc``: the small-batch kernel and tiling fastest in this run (of those whose result
   was right: sparsecc.kernels.tune.MAX_REL_ERR), through the op.
 
-M in {1, 4, 8, 16, 32, 64}, fp16 and bf16, the shapes of benchmarks/kernels.py. Times as there: ``us``
+M in {1, 4, 8, 16, 32, 64}, fp16 and bf16, the shapes of benchmarks/kernels_gemm.py. Times as there: ``us``
 under CUDA-graph replay, ``us_eager`` called eagerly; every call reads its own copy of the
 weight (``copies`` of them, cycled, over 128 MiB together), so weights come from memory as in
 a model, not from the 50 MB L2 cache. The device's copy bandwidth is measured
@@ -39,7 +39,7 @@ from common import environment, fixed_dispatch, relative_error, time_eager_us, t
 if __name__ == "__main__":
     fixed_dispatch()        # SPARSECC_TUNE=off: the shipped table's launches (see the docstring)
 
-from kernels import SHAPES, shape, two_four  # noqa: E402
+from kernels_gemm import SHAPES, shape, two_four  # noqa: E402
 
 from sparsecc.codegen.spec import Family  # noqa: E402
 from sparsecc.ir.formats import NM_2_4  # noqa: E402

@@ -74,7 +74,7 @@ def session_specs(sweep=("float16", "bfloat16")) -> list[KernelSpec]:
 
 
 def dispatched_specs(shapes) -> list[KernelSpec]:
-    """What benchmarks/kernels.py runs without a sweep: the compressors and every launch the
+    """What benchmarks/kernels_gemm.py runs without a sweep: the compressors and every launch the
     dispatch tables (2:4 and dense) name for these [N, K] shapes, in both dtypes."""
     specs = []
     for name in ("float16", "bfloat16"):
@@ -100,26 +100,18 @@ def small_batch_session_specs() -> list[KernelSpec]:
 
 
 def declared_test_kernels(module: str) -> list[KernelSpec]:
-    """The ``KERNELS`` a test module under tests/ declares (e.g. ``"kernels.test_csr_split_gpu"``:
-    tests/ is where its own imports resolve, and its ``kernels`` package is not this folder's
-    kernels.py)."""
+    """The ``KERNELS`` a test module under tests/ declares (e.g.
+    ``"kernel_families.test_csr_split_gpu"``: tests/ is where its own imports resolve)."""
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
-    shadow = sys.modules.get("kernels")
-    if shadow is not None and not hasattr(shadow, "__path__"):     # benchmarks/kernels.py, imported before
-        del sys.modules["kernels"]
-    try:
-        return list(importlib.import_module(module).KERNELS)
-    finally:
-        if shadow is not None:
-            sys.modules["kernels"] = shadow
+    return list(importlib.import_module(module).KERNELS)
 
 
 def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -> list[KernelSpec]:
     """What a session on split unstructured weights needs, for one parallel build: the kernels
-    tests/kernels/test_csr_split_gpu.py declares, and for ``shapes`` (kernels_csr.py --no-tiled)
+    tests/kernel_families/test_csr_split_gpu.py declares, and for ``shapes`` (kernels_csr.py --no-tiled)
     the compressors, the residual pass and the 2:4 GEMMs of the dispatch."""
-    specs = declared_test_kernels("kernels.test_csr_split_gpu")
+    specs = declared_test_kernels("kernel_families.test_csr_split_gpu")
     for name in dtypes:
         dtype = getattr(torch, name)
         specs += [KernelSpec(Family.SM90_COMPRESS24, name), residual_spec(dtype)]
@@ -128,7 +120,7 @@ def csr_split_session_specs(shapes=SHAPES[:3], dtypes=("float16", "bfloat16")) -
 
 
 def dense_session_specs() -> list[KernelSpec]:
-    """What ``kernels.py --dense-only`` sweeps and runs, in both dtypes: every candidate launch
+    """What ``kernels_gemm.py --dense-only`` sweeps and runs, in both dtypes: every candidate launch
     of the dense GEMM and the dense small-batch kernel, and the dense launches the dispatch
     tables name for the benchmark's shapes."""
     specs = []

@@ -215,7 +215,7 @@ def guard_of(packed, n=N, k=K):
 
 
 def test_nonfinite_pass_alone_writes_only_where_dense_has_nan(site):
-    """The GEMMs' pass on its own (as benchmarks/kernels.py times it): with the guard lowered
+    """The GEMMs' pass on its own (as benchmarks/kernels_gemm.py times it): with the guard lowered
     it reads only the listed inputs (none here) and leaves y untouched, even with a NaN in x;
     raised, it writes NaN exactly where the weight skips that column, and nowhere else, and
     lowers the guard."""

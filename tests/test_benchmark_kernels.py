@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py's and decode.py's command lines on the CPU: ``--shapes`` takes NxK weight
+"""benchmarks/kernels_gemm.py's and decode.py's command lines on the CPU: ``--shapes`` takes NxK weight
 shapes and refuses what the 2:4 kernels cannot take, naming it; the two one-sided modes exclude
 each other."""
 import argparse
@@ -11,25 +11,10 @@ import pytest
 BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
 
 
-def _import_benchmarks(*names):
-    """benchmarks/NAME.py for each name. ``kernels`` also names the tests' package tests/kernels
-    (tests/ is on sys.path): while the benchmarks import (decode imports kernels), benchmarks/
-    comes first and the names are theirs; afterwards sys.modules holds what it held, and
-    benchmarks/ is last on sys.path (for the modules only it has, e.g. common)."""
-    path, held = list(sys.path), {name: sys.modules.pop(name, None) for name in names}
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path[:] = [entry for entry in path if entry != BENCHMARKS] + [BENCHMARKS]
-        for name, module in held.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
-kernels, decode = _import_benchmarks("kernels", "decode")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)          # last: for the modules only it has (kernels_gemm, decode, common)
+kernels = importlib.import_module("kernels_gemm")
+decode = importlib.import_module("decode")
 
 
 def test_shapes_parse_as_out_by_in_features():

@@ -3,6 +3,7 @@ passes (sparsecc.passes, from passes/), the templates (sparsecc.templates, from
 templates/), every subpackage of sparsecc and the package data (the shipped tuning table,
 the C++ launcher's source, the shipped calibrations, py.typed)."""
 import importlib
+import importlib.metadata
 import importlib.resources
 import shutil
 import subprocess
@@ -65,3 +66,14 @@ def test_wheel_contains_subpackages_passes_templates_and_data(tmp_path):
     assert not {"sparsecc/tuning.json", "sparsecc/csrc/launcher.cpp"} & names
     assert not any(n.startswith("sparsecc/calibrations/") for n in names)
     assert not any(n.startswith(("passes/", "templates/", "tests/")) for n in names)
+
+
+@pytest.mark.parametrize("folder", ["tests", "benchmarks", "samples"])
+def test_no_script_folder_shadows_an_installed_package(folder):
+    """tests/, benchmarks/ and samples/ go first on sys.path when their scripts run, so a module or
+    package of theirs named like an installed distribution's would be imported in its place (by
+    transformers probing for the ``kernels`` package, say, which then failed to import)."""
+    installed = importlib.metadata.packages_distributions()
+    names = {p.stem for p in (ROOT / folder).glob("*.py")} | {p.name for p in (ROOT / folder).iterdir() if p.is_dir()}
+    shadowing = {name: installed[name] for name in names if name in installed}
+    assert not shadowing, f"{folder}/ would shadow installed packages: {shadowing}"

@@ -303,7 +303,7 @@ def test_a_candidate_that_cannot_run_is_left_out_of_the_timing(gen, caplog):
 def test_small_batches_run_24_on_the_small_batch_kernels_of_their_size(gen, monkeypatch):
     """A 2:4 site planned at M=1 runs on the CUDA-core small-batch kernel, at M = 2..8 on the
     tensor-core one, above on the GEMMs (without tuning measurements; sparsecc.kernels.sparse24_small.choose
-    and tests/kernels/test_tune.py for the measured crossover); with the H100 calibration 2:4 wins at M=4
+    and tests/kernel_families/test_tune.py for the measured crossover); with the H100 calibration 2:4 wins at M=4
     on a 4096x4096 weight, predicted from the tensor-core kernel's own fit."""
     from sparsecc.ir.formats import NM_2_4
     from sparsecc.kernels import tune

@@ -19,7 +19,7 @@ from sparsecc.kernels.sparse24_small import GEMM
 from sparsecc.runtime.kernel_op import _linear_kernel_python, cuda_implementation, linear_kernel
 
 from conftest import kernels_of_24_sites, n_m, rel_error
-from kernels.test_gemm_gpu import reference, sparse_weight
+from kernel_families.test_gemm_gpu import reference, sparse_weight
 
 pytestmark = pytest.mark.gpu
 

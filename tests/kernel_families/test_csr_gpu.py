@@ -18,8 +18,8 @@ from sparsecc.runtime.kernel_op import ensure
 from sparsecc.runtime.loader import loaded
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
-from kernels.test_bsr_gpu import run
-from kernels.test_gemm_gpu import reference
+from kernel_families.test_bsr_gpu import run
+from kernel_families.test_gemm_gpu import reference
 from test_bad_input import assert_same_nonfinite, ieee_reference
 
 pytestmark = pytest.mark.gpu

@@ -2,7 +2,7 @@
 which devices, GPUs, input dtypes and shapes torch._scaled_mm is given, what the registry, the
 cost model and splice make of that, and the op's arithmetic run through torch's CPU
 ``_scaled_mm`` (the GPU pretended) against an fp64 recomputation, every call checked for the
-layouts the CUDA kernel requires. tests/kernels/test_fp8_gpu.py holds it to the reference op on
+layouts the CUDA kernel requires. tests/kernel_families/test_fp8_gpu.py holds it to the reference op on
 the GPU."""
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Launch tuning (sparsecc.kernels.tune) and the dispatch tables built from it: what is measured
 here wins, else the shipped table's nearest shape, else the family's default; tuning keeps the
 fastest launch whose result is right, saves it atomically per machine, and SPARSECC_TUNE says
-what is tuned. The timing itself is the GPU's (tests/kernels/test_tune_gpu.py); here a fake
+what is tuned. The timing itself is the GPU's (tests/kernel_families/test_tune_gpu.py); here a fake
 family on the CPU and injected times stand in for it."""
 import json
 from dataclasses import dataclass

@@ -14,7 +14,7 @@ from sparsecc.kernels.sparse24_small import GEMV, MMA, Sparse24GemvWeight, Spars
 from sparsecc.runtime.kernel_op import linear_kernel
 
 from conftest import TOLERANCE, kernels_of_24_sites, rel_error
-from kernels.test_gemm_gpu import every_candidate, reference, run_poisoned, sparse_weight
+from kernel_families.test_gemm_gpu import every_candidate, reference, run_poisoned, sparse_weight
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@ without a GPU that takes per-token scales): held to the reference op ``sparsecc:
 random data over several shapes, fp16 and bf16, per-token and static input scales, bias and
 activations, transposed layouts; shapes torch._scaled_mm cannot take run the reference op
 exactly; NaN rows stay NaN rows; a CUDA graph replays it; a quantized model compiled on the GPU
-runs it. tests/kernels/test_fp8.py covers the routing and the arithmetic without a GPU.
+runs it. tests/kernel_families/test_fp8.py covers the routing and the arithmetic without a GPU.
 
 Tolerance: both ops round the input to e4m3 with the same code and multiply exact e4m3 products,
 so they differ only in the order of the fp32 sums (and in torch._scaled_mm's accumulation,

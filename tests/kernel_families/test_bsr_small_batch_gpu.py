@@ -2,7 +2,7 @@
 the mma one (templates/bsr_mma_sm90.cu.j2, tensor cores, 16 rows of x per CTA). Every block
 shape, batch sizes that leave partial tiles, an empty block row, poisoned outputs, every
 activation, fully empty and fully dense weights, NaN/Inf like dense (and skipped when
-unchecked), CUDA graphs. Apart from tests/kernels/test_bsr_gpu.py so that a GPU session can run
+unchecked), CUDA graphs. Apart from tests/kernel_families/test_bsr_gpu.py so that a GPU session can run
 them without building the wgmma kernels (conftest builds the selected modules' KERNELS)."""
 import pytest
 import torch
@@ -15,8 +15,8 @@ from sparsecc.kernels.bsr import BsrKernelWeight
 from sparsecc.runtime.kernel_op import dispatch_string, ensure
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
-from kernels.test_bsr_gpu import BLOCKS, DTYPES, run, run_poisoned, weight
-from kernels.test_gemm_gpu import reference
+from kernel_families.test_bsr_gpu import BLOCKS, DTYPES, run, run_poisoned, weight
+from kernel_families.test_gemm_gpu import reference
 from test_bad_input import assert_same_nonfinite, ieee_reference
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ batch sizes, poisoned outputs, NaN/Inf like dense, CUDA graphs, and a compiled m
 dispatch runs the mma kernel (bsr_mma_sm90) for M = 1..16 and the wgmma kernel
 (bsr_sm90_wgmma) above, so the batch sizes below cover both; the pairs kernel
 (bsr_sm90_pairs, long rows of 64-row blocks above 512 rows of x) has its own tests here; the
-small-batch kernel's are in tests/kernels/test_bsr_small_batch_gpu.py."""
+small-batch kernel's are in tests/kernel_families/test_bsr_small_batch_gpu.py."""
 import pytest
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ from sparsecc.runtime.loader import loaded
 from sparsecc.runtime.timing import time_us
 
 from conftest import TOLERANCE, block_sparse, rel_error, replays_like_eager
-from kernels.test_gemm_gpu import reference
+from kernel_families.test_gemm_gpu import reference
 from test_bad_input import assert_same_nonfinite, ieee_reference
 
 pytestmark = pytest.mark.gpu

@@ -18,9 +18,9 @@ from sparsecc.kernels.registry import CSR_SPLIT
 from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
-from kernels.test_bsr_gpu import run
-from kernels.test_csr_gpu import weight, with_nonfinite
-from kernels.test_gemm_gpu import reference
+from kernel_families.test_bsr_gpu import run
+from kernel_families.test_csr_gpu import weight, with_nonfinite
+from kernel_families.test_gemm_gpu import reference
 from test_bad_input import assert_same_nonfinite, ieee_reference
 
 pytestmark = pytest.mark.gpu

@@ -25,10 +25,10 @@ reference (``rel_err``). Extra keys: ``config`` (launch label) and ``launch`` (i
 knobs) on per-config rows, ``error`` when an implementation refused a shape. Writes benchmarks/results/kernels-<gpu>-<date>.json
 and a plot beside it.
 
-    python benchmarks/kernels.py [--quick] [--sweep float16] [--dense-only] [--ms 1 16]
-    python benchmarks/kernels.py --shapes 1024x1024 4096x1024 --ms 4096 [--sparse-only]   # a model's shapes (kernels_shapes-*.json)
-    python benchmarks/kernels.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
-    python benchmarks/kernels.py --csr [kernels_csr.py options]    # the unstructured kernel
+    python benchmarks/kernels_gemm.py [--quick] [--sweep float16] [--dense-only] [--ms 1 16]
+    python benchmarks/kernels_gemm.py --shapes 1024x1024 4096x1024 --ms 4096 [--sparse-only]   # a model's shapes (kernels_shapes-*.json)
+    python benchmarks/kernels_gemm.py --bsr [kernels_bsr.py options]    # the block-sparse kernels
+    python benchmarks/kernels_gemm.py --csr [kernels_csr.py options]    # the unstructured kernel
 """
 from __future__ import annotations
 

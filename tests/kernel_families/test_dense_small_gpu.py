@@ -2,7 +2,7 @@
 Hopper GPU and nvcc): every tiling and cluster size against an fp64 reference at every M in
 1..64 and past it on an odd shape, every activation, bias or none, poisoned outputs; NaN and
 Inf of x propagating as in F.linear; the op with transposed layouts, 1-D input and a CUDA
-graph. Which batch sizes it takes is tests/kernels/test_tune.py's subject."""
+graph. Which batch sizes it takes is tests/kernel_families/test_tune.py's subject."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from sparsecc.kernels.dense import SMALL, DenseGemm
 from sparsecc.runtime.kernel_op import dispatch_string, ensure, linear_kernel
 
 from conftest import TOLERANCE, rel_error, replays_like_eager
-from kernels.test_gemm_gpu import every_candidate, reference, run_poisoned
+from kernel_families.test_gemm_gpu import every_candidate, reference, run_poisoned
 
 pytestmark = pytest.mark.gpu
 

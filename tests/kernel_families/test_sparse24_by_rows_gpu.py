@@ -13,7 +13,7 @@ from sparsecc.kernels import registry
 from sparsecc.kernels.sparse24_by_rows import ByRowsWeight
 
 from conftest import kernels_of_24_sites, rel_error
-from kernels.test_gemm_gpu import reference, sparse_weight
+from kernel_families.test_gemm_gpu import reference, sparse_weight
 
 pytestmark = pytest.mark.gpu
 

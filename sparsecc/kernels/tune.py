@@ -4,7 +4,8 @@ Tuning is the product's: for a weight shape and batch bucket a plan needs, :func
 times every launch candidate of the family (:meth:`KernelFamily.candidates`) on a random weight
 in the family's layout, as the compiled model runs it (CUDA-graph replay, the calls cycling
 through enough weight copies that the weight is read from memory, not the L2 cache), checks
-each launch's result against an fp32 product, and keeps the fastest right one. Winners are
+each launch's result against an fp32 product, and keeps the fastest right one (a launch that
+declines the shape, as CUTLASS's ``can_implement`` may, is left out). Winners are
 stored per GPU, torch, CUDA and sparsecc version in the cache directory
 (``<SPARSECC_CACHE_DIR>/tuning/*.json``, written atomically under a lock, like the kernel
 cache), so a shape is tuned once per machine.
@@ -41,6 +42,7 @@ from ..ir.numerics import relative_error
 from ..ir.workload import dtype_name
 from ..runtime.cache_files import cache_file, machine_key, write_atomically
 from ..runtime.kernel_op import ensure
+from ..runtime.loader import KernelRunError
 from ..runtime.timing import packed_runner, time_us
 from .base import KernelFamily, Launch, finish_packing, kernels_unavailable
 
@@ -222,7 +224,13 @@ def tune_bucket(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int]
         run = packed_runner(packed.running([(0, launch)]), m, device)
         with torch.no_grad():
             want = F.linear(run.x.float(), weight.float())
-            error = relative_error(run().float(), want)
+            try:
+                got = run()
+            except (RuntimeError, KernelRunError) as refusal:   # it declined the shape (CUTLASS's can_implement)
+                log.warning("tuning %s: %s does not run at %dx%d, M=%d (%s); it is left out",
+                            family.name, launch.label, n, k, m, str(refusal).splitlines()[0])
+                continue
+            error = relative_error(got.float(), want)
         if not error <= MAX_REL_ERR[name]:
             log.warning("tuning %s: %s computed a wrong result (relative error %.3g); it is left out",
                         family.name, launch.label, error)

@@ -4,6 +4,7 @@ fastest launch whose result is right, saves it atomically per machine, and SPARS
 what is tuned. The timing itself is the GPU's (tests/kernel_families/test_tune_gpu.py); here a fake
 family on the CPU and injected times stand in for it."""
 import json
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +19,7 @@ from sparsecc.kernels.base import Buckets, KernelFamily, KernelWeight, Launch
 from sparsecc.kernels.dense import SMALL as DENSE_SMALL
 from sparsecc.kernels.dense import DenseGemm
 from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA, choose
+from sparsecc.runtime.loader import KernelRunError
 
 DENSE = DenseGemm()
 GEMM_LAUNCH = Launch(KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64)))
@@ -315,3 +317,26 @@ def test_families_describe_themselves_consistently():
             assert launches and all(launch.spec.family is family.templates[0] for launch in launches)
     assert base.launch_for(GEMM.dispatch(torch.float16, (4096, 4096)), 3000).spec.family is Family.SM90_SPARSE24
     assert GEMM.refuses(NM_2_4, (4096, 4100), torch.float16) is not None
+
+
+def test_a_launch_that_declines_the_shape_is_left_out(tunable, caplog):
+    """A kernel that refuses its arguments (CUTLASS's can_implement, say) costs its candidacy, not
+    the whole tuning: the others are timed and the fastest right one recorded."""
+    family = FakeFamily()
+    declining, slow, fast = family.launches[2], family.launches[0], family.launches[1]
+
+    class Declining(FakeWeight):
+        @staticmethod
+        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
+               kernels):
+            if "_t128x256x64" in kernels:
+                raise KernelRunError("can_implement failed: Error Misaligned Operand")
+            return F.linear(x, values)
+
+    family.layout = lambda weight: Declining(weight, None, *weight.shape)
+    times = {declining: 1.0, slow: 9.0, fast: 4.0}
+    with caplog.at_level(logging.WARNING, logger="sparsecc"):
+        found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False,
+                                 measure=lambda launch, run: times[launch])
+    assert Launch.from_description(found) == fast
+    assert "does not run" in caplog.text and declining.label in caplog.text

@@ -131,11 +131,21 @@ def dense_session_specs() -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
+def sparse24_tuning_session_specs() -> list[KernelSpec]:
+    """What tuning 2:4 weights of any shape at any batch times (unseen_shapes.py): the compressors
+    and every candidate of the 2:4 GEMM and of the tensor-core small-batch kernel, both dtypes."""
+    specs = []
+    for name in ("float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        specs += [KernelSpec(Family.SM90_COMPRESS24, name)] + candidates(GEMM, dtype) + candidates(MMA, dtype)
+    return list(dict.fromkeys(specs))
+
+
 def named_session_specs(name: str | None) -> list[KernelSpec]:
     """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split",
-    "dense", or anything else for :func:`session_specs`."""
+    "dense", "tune-24", or anything else for :func:`session_specs`."""
     return {"small-batch": small_batch_session_specs, "csr-split": csr_split_session_specs,
-            "dense": dense_session_specs}.get(name, session_specs)()
+            "dense": dense_session_specs, "tune-24": sparse24_tuning_session_specs}.get(name, session_specs)()
 
 
 def main(argv=None) -> None:
@@ -143,7 +153,7 @@ def main(argv=None) -> None:
     from sparsecc.runtime.build import KernelCache, build
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cache", nargs="?", help="the kernel cache to build into (default: sparsecc's)")
-    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense "
+    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense, tune-24 "
                                                 "(default: session_specs)")
     args = parser.parse_args(argv)
     specs = named_session_specs(args.name)

@@ -107,7 +107,7 @@ class Schedule(str, enum.Enum):
 class Scheduler(str, enum.Enum):
     """How output tiles are spread over the SMs: one persistent wave, stream-K (which splits K
     across CTAs when there are too few tiles, e.g. small batch), or K cut into slices run as a
-    batch whose fp32 sums a second kernel adds (dense GEMMs only: templates/gemm_sm90_dense)."""
+    batch whose fp32 sums a second kernel adds (the CUTLASS GEMMs, dense and 2:4)."""
 
     PERSISTENT = "persistent"
     STREAMK = "streamk"
@@ -121,7 +121,8 @@ _SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: Every sm90 2:4 tile has K = 128, so one compressed layout serves all of them.
 TILES = {
     Family.SM90_SPARSE24: {(64, 128, 128), (64, 256, 128), (128, 64, 128), (128, 128, 128),
-                           (128, 256, 128), (256, 128, 128), (256, 64, 128), (64, 64, 128)},
+                           (128, 256, 128), (256, 128, 128), (256, 64, 128), (64, 64, 128),
+                           (128, 32, 128), (256, 32, 128)},
     Family.SM90_DENSE: {(64, 64, 64), (64, 128, 64), (64, 256, 64), (128, 64, 64), (128, 128, 64), (128, 256, 64),
                         (256, 128, 64), (128, 128, 128), (128, 256, 128)},
     Family.SM90_COMPRESS24: {(128, 128, 128)},
@@ -225,8 +226,9 @@ class KernelSpec:
             raise InputError(f"cluster {self.cluster} is not supported by {self.family.value}")
         if self.scheduler is Scheduler.STREAMK and self.schedule is not Schedule.COOPERATIVE:
             raise InputError("the stream-K scheduler needs the cooperative schedule")
-        if self.scheduler is Scheduler.SLICED and self.family is not Family.SM90_DENSE:
-            raise InputError(f"the sliced scheduler (split-K as a batch) is written for {Family.SM90_DENSE.value} only")
+        if self.scheduler is Scheduler.SLICED and self.family not in (Family.SM90_DENSE, Family.SM90_SPARSE24):
+            raise InputError("the sliced scheduler (split-K as a batch) is written for the CUTLASS GEMMs "
+                             f"({Family.SM90_DENSE.value}, {Family.SM90_SPARSE24.value}) only")
         if self.family.own_launch and (self.cluster != (1, 1) or self.scheduler is not Scheduler.PERSISTENT
                                        or self.schedule is not Schedule.COOPERATIVE
                                        or self.x_transposed or self.transpose_out):

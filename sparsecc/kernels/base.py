@@ -57,7 +57,7 @@ class Launch:
 
 #: the batch sizes every dispatch table's buckets are drawn from: a bucket holds the batches up
 #: to its bound (above the one before); past the last a family's open bucket takes every M
-M_BOUNDS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+M_BOUNDS = (1, 4, 8, 16, 32, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)

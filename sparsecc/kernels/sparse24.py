@@ -5,7 +5,8 @@ its epilogue adds the bias per output feature, applies the activation in registe
 ``y`` row-major, so neither the transpose nor the epilogue costs a pass. The layout is the one
 CUTLASS's compressor writes (templates/compress_sm90_sparse24.cu.j2: the kept values and their
 metadata), followed by the site's NaN/Inf guard (:mod:`sparsecc.kernels.nonfinite_guard`).
-The launch per batch bucket is tuned (:mod:`sparsecc.kernels.tune`) among :data:`CANDIDATES`.
+The launch per batch bucket is tuned (:mod:`sparsecc.kernels.tune`) among :data:`CANDIDATES`, and
+up to a few dozen rows :data:`FEW_ROWS` too (K in slices among them: templates/gemm_sm90_sparse24).
 """
 from __future__ import annotations
 
@@ -45,10 +46,24 @@ CANDIDATES = [
     (dict(tile=(128, 128, 128), scheduler=Scheduler.STREAMK), {}),
 ]
 
+#: launches for a few dozen rows of x (tuned only for buckets up to :data:`FEW_ROWS_MAX_M`): tiles of
+#: 32 rows of x (half the shared memory of a stage of 64, so more of W in flight per SM), and K in
+#: slices (split-K as a batch) so that a long weight with few output tiles fills the SMs; tiles of
+#: 256 rows of W read x half as often as 128
+FEW_ROWS = [
+    (dict(tile=(128, 32, 128)), {}),
+    (dict(tile=(128, 32, 128), scheduler=Scheduler.SLICED), {}),
+    (dict(tile=(128, 32, 128), scheduler=Scheduler.SLICED), dict(splits=4)),
+    (dict(tile=(128, 64, 128), scheduler=Scheduler.SLICED), {}),
+    (dict(tile=(256, 32, 128), scheduler=Scheduler.SLICED), {}),
+    (dict(tile=(256, 64, 128), scheduler=Scheduler.SLICED), {}),
+]
+FEW_ROWS_MAX_M = 128
+
 #: used where neither this GPU nor the shipped table measured a bucket: narrow tiles for small
 #: batches, wide for large ones
-DEFAULTS = {1: (128, 64, 128), 16: (128, 64, 128), 32: (128, 64, 128), 64: (128, 64, 128), 128: (128, 64, 128),
-            2048: (256, 128, 128), 0: (256, 128, 128)}
+DEFAULTS = {1: (128, 64, 128), 16: (128, 64, 128), 32: (128, 64, 128), 64: (128, 64, 128), 96: (128, 64, 128),
+            128: (128, 64, 128), 2048: (256, 128, 128), 0: (256, 128, 128)}
 
 
 @dataclass
@@ -93,9 +108,9 @@ class Sparse24Gemm(KernelFamily):
     unit = "sparsecc's sm90 2:4 CUTLASS kernel"
     impls = ("sparse24-gemm",)
     tunable = True
-    #: 32 and 64 apart from 128: at a few dozen rows the best tile differs from 128 rows' (too few
-    #: output tiles to fill the SMs), and batched decode lives there
-    buckets = Buckets((1, 16, 32, 64, 128, 2048), 8192)
+    #: 32, 64 and 96 apart from 128: at a few dozen rows the best tile differs from 128 rows' (too
+    #: few output tiles to fill the SMs), and batched decode lives there
+    buckets = Buckets((1, 16, 32, 64, 96, 128, 2048), 8192)
 
     def refuses(self, spec, shape, dtype):
         if spec != NM_2_4:
@@ -103,7 +118,7 @@ class Sparse24Gemm(KernelFamily):
         return shape_supported(*shape, dtype)
 
     def candidates(self, dtype, shape, m):
-        return _launches(dtype_name(dtype), CANDIDATES)
+        return _launches(dtype_name(dtype), CANDIDATES + (FEW_ROWS if m <= FEW_ROWS_MAX_M else []))
 
     def default_launch(self, dtype: str, bound: int) -> Launch:
         return Launch(KernelSpec(Family.SM90_SPARSE24, dtype, tile=DEFAULTS[bound]))
@@ -135,16 +150,32 @@ class Sparse24Gemm(KernelFamily):
         return spec.tile[0], spec.tile[1]
 
     def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
+        """The launch that runs M rows, its K slices requested as the workload's mode (0: as many
+        as fill the SMs; None: K is not sliced)."""
         n, k = stats.shape
-        return [Workload(self.name, stats.dtype, m, n, k, round(stats.density, 6),
-                         tile=self.tile(stats.dtype, stats.shape, m))]
+        launch = launch_for(self.dispatch(getattr(torch, stats.dtype), stats.shape), m)
+        sliced = launch.spec.scheduler is Scheduler.SLICED
+        return [Workload(self.name, stats.dtype, m, n, k, round(stats.density, 6), tile=launch.spec.tile[:2],
+                         mode=(launch.splits if launch.splits > 1 else 0) if sliced else None)]
 
     def work(self, w, sms):
-        """Half the math of dense (the tiles padded, counted in waves of CTAs over the SMs), the
-        weight in 9/16 of the dense bytes, x and y once."""
+        """Half the math of dense (the tiles padded, counted in waves of CTAs over the SMs, a CTA
+        per tile and K slice), the weight in 9/16 of the dense bytes, x and y once, and with K in
+        slices their fp32 sums written and read back."""
         e = element_size(w.dtype)
         tile_n, tile_m = w.tile or (128, 64)
         tiles = math.ceil(w.n / tile_n) * math.ceil(w.m / tile_m)
-        waves = math.ceil(tiles / sms) * sms / tiles
-        act = (w.m * w.k + w.m * w.n) * e
+        slices = 1 if w.mode is None else k_slices(tiles, w.k, w.mode, sms)
+        waves = math.ceil(tiles * slices / sms) * sms / (tiles * slices)
+        act = (w.m * w.k + w.m * w.n) * e + (2 * slices * w.m * w.n * 4 if w.mode is not None else 0)
         return tiles * tile_n * tile_m * w.k * waves, w.n * w.k * e * 9 / 16 + act
+
+
+def k_slices(tiles: int, k: int, requested: int, sms: int) -> int:
+    """The K slices the sliced 2:4 GEMM runs (its ``slices_for``): ``requested`` (> 1) if K cuts into
+    that many, else as many as fill one wave of the SMs with ``tiles`` output tiles; whole
+    128-column metadata atoms, at least two k-tiles a slice, at most 16."""
+    slices = min(max(requested if requested > 1 else sms // tiles, 1), 16)
+    while slices > 1 and (k % (128 * slices) or k // slices < 256):
+        slices -= 1
+    return slices

@@ -13,7 +13,8 @@ cache), so a shape is tuned once per machine.
 A dispatch table takes, per bucket: the launch measured here at this exact shape; else the
 shipped table's (``tuning.json``, measured on the benchmark shapes on an H100; only a default)
 at this shape, or at the nearest shape it holds (log distance in N and K; at equal distance
-this dtype's); else the family's default launch.
+this dtype's); else, for a bucket the shipped table predates, the launch of the bucket above it
+(what ran those batches before); else the family's default launch.
 
 ``SPARSECC_TUNE`` (:mod:`sparsecc.config`): ``new`` (the default) tunes what has no
 measurement here, ``all`` tunes again what a plan needs (once per process), ``off`` never
@@ -88,6 +89,10 @@ class TuningTable:
                     self.here = {_key(e): e for e in data["entries"]}
             except (OSError, ValueError, KeyError, TypeError) as error:
                 log.warning("ignoring the unreadable tuning table %s (%s): its shapes are tuned again", path, error)
+
+    def shipped_at(self, template: Family, m: int) -> bool:
+        """Whether the shipped table measured ``template`` at ``m`` rows (on any shape)."""
+        return any(e["family"] == template.value and e["M"] == m for e in self.shipped)
 
     def measured_here(self, template: Family, dtype: str, m: int, n: int, k: int) -> dict | None:
         return self.here.get((template.value, dtype, m, n, k))
@@ -259,8 +264,16 @@ def dispatch(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int],
     name = dtype_name(dtype)
     if tune_range is not None:
         ensure_tuned(family, dtype, shape, [m for _, m in family.buckets.meeting(*tune_range)], progress=progress)
-    entries = []
-    for bound, m in family.buckets:
-        found = table().best(family.templates[0], name, m, *shape)
-        entries.append((bound, found[0] if found else family.default_launch(name, bound)))
-    return entries
+    template = family.templates[0]
+    entries, above = [], None                 # above: (measured M, launch) of the bucket above
+    for bound, m in reversed(list(family.buckets)):
+        found = table().best(template, name, m, *shape)
+        if found:
+            launch = found[0]
+        elif above is not None and table().shipped_at(template, above[0]):
+            launch = above[1]                 # a bucket newer than the shipped table: what ran its batches
+        else:
+            launch = family.default_launch(name, bound)
+        entries.append((bound, launch))
+        above = (m, launch)
+    return entries[::-1]

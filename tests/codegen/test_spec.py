@@ -18,7 +18,7 @@ from sparsecc.errors import InputError
     dict(family=Family.GEMV_SM90_SPARSE24, dtype="float16", cluster=(2, 1)),      # own launch: no cluster
     dict(family="gemm_sm90_evil", dtype="float16"),
     dict(family=Family.SM90_DENSE, dtype="float16", x_transposed="yes"),
-    dict(family=Family.SM90_SPARSE24, dtype="float16", scheduler=Scheduler.SLICED),   # dense GEMMs only
+    dict(family=Family.BSR_SM90_WGMMA, dtype="float16", scheduler=Scheduler.SLICED),  # the CUTLASS GEMMs only
     dict(family=Family.SM90_DENSE, dtype="float16", scheduler="sliced", schedule=Schedule.PINGPONG, tile=(64, 128, 64),
          transpose_out="no"),
 ])
@@ -70,6 +70,25 @@ def test_sliced_dense_gemm_stores_fp32_slices_and_sums_them(transpose_out):
     assert ("int(offset / n)" if transpose_out else "int(offset % m)") in source
     plain = render(KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64)))
     assert "sum_slices" not in plain and "LinCombPerRowBiasEltAct" in plain
+
+
+@pytest.mark.parametrize("layout", [{}, dict(x_transposed=True), dict(transpose_out=True)])
+def test_sliced_24_gemm_reads_slices_of_the_one_compressed_weight(layout):
+    """The 2:4 GEMM with K in slices: each slice is an m x ks problem in CUTLASS's metadata layout
+    over the whole weight (values' row stride k, batch stride ks columns; can_implement is shown the
+    packed layout), slices of whole 128-column metadata atoms, fp32 sums added by sum_slices, which
+    raises the NaN/Inf guard in place of the epilogue's probe."""
+    spec = KernelSpec(Family.SM90_SPARSE24, "bfloat16", tile=(128, 32, 128), scheduler=Scheduler.SLICED, **layout)
+    assert spec.symbol.endswith("_t128x32x128_c1x1_coop_ks")
+    source = render(spec)
+    assert "using ElementD = float;" in source and "NonfiniteProbe" not in source
+    assert "layout_a.stride<0>() = int64_t(k);" in source and "layout_a.stride<2>() = int64_t(ks);" in source
+    assert "constexpr int kSliceMultiple = 128;" in source
+    assert "packed.mainloop.layout_a = SparseConfig::fill_layoutA(args.problem_shape);" in source
+    assert "m, n, activation, slices, guard);" in source and "probe = fmaf(value, 0.f, probe);" in source
+    assert ("int(offset / n)" if layout.get("transpose_out") else "int(offset % m)") in source
+    plain = render(KernelSpec(Family.SM90_SPARSE24, "bfloat16", tile=(128, 32, 128)))
+    assert "sum_slices" not in plain and "using ElementD = ElementA;" in plain and "NonfiniteProbe" in plain
 
 
 def test_small_batch_kernels_stream_their_weights_and_keep_x_in_l1():

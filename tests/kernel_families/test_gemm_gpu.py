@@ -9,6 +9,7 @@ import sparsecc
 from sparsecc.codegen.spec import Family, KernelSpec, Scheduler
 from sparsecc.ir.epilogue import ACTIVATION_CODES, apply_activation
 from sparsecc.ir.formats import NM_2_4
+from sparsecc.ir.workload import dtype_name
 from sparsecc.kernels.base import Launch
 from sparsecc.kernels.dense import DenseGemm
 from sparsecc.kernels.sparse24 import CutlassSparse24Weight
@@ -16,6 +17,7 @@ from sparsecc.kernels.sparse24_small import GEMM
 from sparsecc.runtime.kernel_op import ensure, linear_kernel
 
 from conftest import TOLERANCE, kernels_of_24_sites, n_m, rel_error
+from test_bad_input import assert_same_nonfinite, ieee_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -80,6 +82,9 @@ KERNELS += [KernelSpec(family, "float16", **layout) for family in (Family.SM90_S
             for layout in LAYOUTS]
 KERNELS += [KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler=Scheduler.SLICED, **layout)
             for layout in [{}] + LAYOUTS]
+SLICED_24 = {"tile": (128, 32, 128), "scheduler": Scheduler.SLICED}
+KERNELS += [KernelSpec(Family.SM90_SPARSE24, dtype, **SLICED_24, **layout)
+            for dtype in ("float16", "bfloat16") for layout in [{}] + LAYOUTS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -155,6 +160,51 @@ def test_sliced_dense_kernel_sums_its_slices(layout, splits):
         y = run_poisoned(launch, w, None, operand, bias, n, activation, **layout)
         ref = reference(x, w, bias, activation)
         assert rel_error(y, ref.t() if layout.get("transpose_out") else ref) < TOLERANCE[dtype], (splits, activation)
+
+
+@pytest.mark.parametrize("layout", [{}] + LAYOUTS)
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_sliced_24_kernel_sums_slices_of_the_one_compressed_weight(layout, splits):
+    """The 2:4 GEMM with K in slices over one compressed weight, in every operand layout: 1 picks
+    the count, 3 does not cut K = 2048 into whole 128-column atoms and falls back to 2, 16 leaves
+    slices shorter than two k-tiles and falls back to 8; a workspace of garbage must not leak into y."""
+    dtype = torch.float16
+    launch = Launch(KernelSpec(Family.SM90_SPARSE24, "float16", **SLICED_24, **layout), splits=splits)
+    n, k, rows = 264, 2048, 40
+    w = sparse_weight(n, k, dtype, seed=6)
+    packed = CutlassSparse24Weight.compress(w)
+    x = torch.randn(rows, k, dtype=dtype, device="cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda")
+    operand = x.t().contiguous() if layout.get("x_transposed") else x
+    for activation in ("relu", "gelu"):
+        y = run_poisoned(launch, packed.values, packed.metadata, operand, bias, n, activation, **layout)
+        ref = reference(x, w, bias, activation)
+        assert rel_error(y, ref.t() if layout.get("transpose_out") else ref) < TOLERANCE[dtype], (splits, activation)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliced_24_kernel_propagates_nan_and_inf_from_any_slice(dtype):
+    """NaN and infinities in x, in the first, a middle and the last K slice and in a column no row
+    of W stores, reach y as in dense IEEE arithmetic: the slices' sum raises the site's guard as
+    the unsliced epilogue's probe does, and the pass after it poisons what the sparse products
+    skipped; a second, finite call finds the guard lowered again."""
+    n, k, rows = 256, 4096, 24
+    w = sparse_weight(n, k, dtype, seed=8)
+    w[:, 5] = 0                                            # a column no row stores
+    packed = GEMM.pack(w, NM_2_4, None)
+    launch = Launch(KernelSpec(Family.SM90_SPARSE24, dtype_name(dtype), **SLICED_24), splits=4)
+    ensure([launch.spec])
+    kernels = packed.running([(0, launch)]).kernels
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+    bad = x.clone()
+    bad[1, 5], bad[3, 40] = float("nan"), float("inf")     # first slice (one in the unstored column)
+    bad[7, 2100], bad[11, 4095] = float("-inf"), float("nan")   # a middle and the last slice
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
+    got = linear_kernel(bad, packed.values, packed.metadata, n, k, bias, "none", False, False, kernels)
+    assert_same_nonfinite(got, ieee_reference(bad, w, bias, "none").to(dtype), dtype)
+    again = linear_kernel(x, packed.values, packed.metadata, n, k, bias, "none", False, False, kernels)
+    assert rel_error(again, reference(x, w, bias, "none")) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -143,12 +143,22 @@ def test_one_row_takes_the_tensor_core_kernel_only_where_it_measured_faster(ship
 
 
 def test_the_shipped_table_answers_for_the_six_benchmark_shapes():
-    """The packaged table holds launches for every small-batch bucket of the benchmark shapes."""
+    """The packaged table holds launches for every small-batch bucket of the benchmark shapes but
+    the 2:4 GEMM's 96-row one, which it predates: that bucket runs the 128-row bucket's launch."""
     table = tune.TuningTable(tune.shipped_entries())
     for family in (GEMM, MMA):
         for _, m in family.buckets:
             found = table.best(family.templates[0], "float16", m, 11008, 4096)
+            if (family, m) == (GEMM, 96):
+                assert found is None
+                continue
             assert found is not None and found[0].spec.family is family.templates[0], (family, m)
+    tune.use(table)
+    try:
+        dispatch = dict(GEMM.dispatch(torch.float16, (11008, 4096)))
+    finally:
+        tune.use(None)
+    assert dispatch[96] == dispatch[128] == table.best(Family.SM90_SPARSE24, "float16", 128, 11008, 4096)[0]
 
 
 def test_buckets_cover_every_batch_once():

@@ -161,10 +161,11 @@ def test_build_killed_midway_leaves_no_entry(fake_nvcc, monkeypatch, tmp_path):
     assert build([SPEC], progress=False)[SPEC].is_file()
 
 
-#: one kernel of every template (its default tile), and the dense GEMM's sliced scheduler
+#: one kernel of every template (its default tile), and the GEMMs' sliced scheduler, dense and 2:4
 #: (a second kernel in the same source)
 COMPILED = [KernelSpec(family, "float16") for family in Family] + [
-    KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler=Scheduler.SLICED)]
+    KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler=Scheduler.SLICED),
+    KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 32, 128), scheduler=Scheduler.SLICED)]
 
 
 @requires_nvcc

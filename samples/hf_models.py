@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import sparsecc
 from sparsecc.backend import make_backend
+from sparsecc.ir.numerics import relative_error
 
 PATTERNS = {"2:4": ("2:4",), "block32x32@0.25": ("bsr32",)}
 
@@ -65,10 +66,6 @@ def timed_ms(fn, device: torch.device, repeats: int = 10) -> float:
             torch.cuda.synchronize()
         samples.append(time.perf_counter() - start)
     return sorted(samples[2:])[repeats // 2] * 1e3
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def run(name: str, pattern: str, *, size="small", batch=4, device=None, inductor=True,

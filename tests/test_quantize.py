@@ -11,6 +11,7 @@ from sparsecc.ir.quant import E4M3
 from sparsecc.quantization import FP8Linear
 from sparsecc.runtime.torch_ops import OP_FOR_FP8
 
+from conftest import rel_error
 from models import llama, mlp
 
 #: compiled against eager, both FP8 on the CPU: the same exact products, fp32 sums in another order
@@ -23,10 +24,6 @@ def pruned_mlp(seed=0, sizes=(64, 96, 32)):
     model = mlp(sizes).eval()
     sparsecc.prune(model, "2:4")
     return model
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def e4m3_spacing(q: torch.Tensor) -> torch.Tensor:
@@ -130,7 +127,7 @@ def test_compiled_quantized_mlp_equals_its_eager_output(calibrated, formats):
     assert sum(n.target is op for n in compiled.graph.nodes) == 2
     with torch.no_grad():
         for batch in (x, torch.randn(3, 64), torch.randn(2, 5, 64)):
-            assert rel(compiled(batch), model(batch)) <= COMPILED_TOLERANCE
+            assert rel_error(compiled(batch), model(batch)) <= COMPILED_TOLERANCE
 
 
 def test_quantized_llama_compiles_to_2_4_and_matches_eager():
@@ -147,7 +144,7 @@ def test_quantized_llama_compiles_to_2_4_and_matches_eager():
     assert set(compiled.sparsecc_plan.choices().values()) == {"2:4"}
     with torch.no_grad():
         for batch in (tokens, torch.randint(0, 100, (1, 17))):
-            assert rel(compiled(batch).last_hidden_state, model(batch).last_hidden_state) <= COMPILED_TOLERANCE
+            assert rel_error(compiled(batch).last_hidden_state, model(batch).last_hidden_state) <= COMPILED_TOLERANCE
 
 
 def test_a_model_that_was_not_quantized_never_runs_fp8():
@@ -160,7 +157,7 @@ def test_a_model_that_was_not_quantized_never_runs_fp8():
         assert not any(t.dtype == E4M3 for t in [*compiled.parameters(), *compiled.buffers()])
         assert all(s.dtype == "float32" for s in compiled.sparsecc_plan)
         with torch.no_grad():
-            assert rel(compiled(x), model(x)) <= 1e-5
+            assert rel_error(compiled(x), model(x)) <= 1e-5
 
 
 def test_bad_input_is_refused_with_a_clear_error():

@@ -1,14 +1,21 @@
 """The 2:4 CUTLASS GEMM family on the CPU (sparsecc.kernels.sparse24): which launches tuning times
-at which batch, the 96-row bucket the shipped table predates, and the work model of K in slices.
-Its kernels on the GPU: test_gemm_gpu.py."""
+at which batch, the 96-row bucket the shipped table predates, the work model of K in slices, and
+(where nvcc is) the sliced kernel's layouts checked on the host. Its kernels on the GPU:
+test_gemm_gpu.py."""
+import subprocess
+
 import pytest
 import torch
 
+from sparsecc.codegen.render import render
 from sparsecc.codegen.spec import Family, KernelSpec, Scheduler
 from sparsecc.ir.workload import Workload
 from sparsecc.kernels import tune
 from sparsecc.kernels.base import Launch, launch_for
 from sparsecc.kernels.sparse24 import FEW_ROWS_MAX_M, Sparse24Gemm, k_slices
+from sparsecc.runtime.build import toolchain
+
+from conftest import requires_nvcc
 
 GEMM = Sparse24Gemm()
 SMS = 132
@@ -84,3 +91,55 @@ def test_a_sliced_launch_names_its_slices_in_the_workload(table):
     assert [w.mode for w in GEMM.workloads(stats, None, 32, None)] == [0]
     assert [w.mode for w in GEMM.workloads(stats, None, 64, None)] == [4]
     assert [w.mode for w in GEMM.workloads(stats, None, 128, None)] == [None]
+
+
+#: appended to the rendered sliced kernel and run on the host (no GPU): for K cut into 2, 4 and 8
+#: slices, the layouts make_arguments gives the batched GEMM address exactly the entries of the
+#: whole weight's values and metadata that the unsliced layouts give, slice by slice; and CUTLASS's
+#: can_implement takes the packed layout the kernel shows it, not the real one
+SLICED_LAYOUT_CHECK = r"""
+int main() {
+  const int m = 256, n = 40, k = 2048;
+  int failed = 0;
+  for (int slices : {2, 4, 8}) {
+    const int ks = k / slices;
+    auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, nullptr, 1, slices);
+    auto full_a = SparseConfig::fill_layoutA(Shape<int, int, int, int>{m, n, k, 1});
+    auto full_e = SparseConfig::fill_layoutE(Shape<int, int, int, int>{m, n, k, 1});
+    long wrong = (get<2>(args.problem_shape) != ks) + (get<3>(args.problem_shape) != slices);
+    for (int l = 0; l < slices; ++l)
+      for (int r = 0; r < m; ++r)
+        for (int c = 0; c < ks; ++c) {
+          wrong += args.mainloop.layout_a(r, c, l) != full_a(r, l * ks + c, 0);
+          wrong += args.mainloop.layout_e(r, c, l) != full_e(r, l * ks + c, 0);
+        }
+    auto packed = args;
+    packed.mainloop.layout_a = SparseConfig::fill_layoutA(args.problem_shape);
+    const bool packed_taken = Gemm::can_implement(packed) == cutlass::Status::kSuccess;
+    const bool real_refused = Gemm::can_implement(args) != cutlass::Status::kSuccess;
+    std::printf("slices=%d wrong=%ld packed_taken=%d real_refused=%d\n", slices, wrong, packed_taken, real_refused);
+    failed += wrong != 0 || !packed_taken || !real_refused;
+  }
+  return failed;
+}
+"""
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_sliced_kernel_layouts_address_the_whole_weight(tmp_path):
+    """The sliced 2:4 GEMM reads one compressed weight through CUTLASS's layouts of an m x ks
+    problem batched over the slices: checked entry by entry against the whole weight's layouts, on
+    the host, by the rendered kernel's own make_arguments."""
+    spec = KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 32, 128), scheduler=Scheduler.SLICED)
+    source = tmp_path / "check.cu"
+    source.write_text(render(spec) + SLICED_LAYOUT_CHECK)
+    tools = toolchain()
+    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
+                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
+                   check=True, capture_output=True)
+    result = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("wrong=0 packed_taken=1 real_refused=1") == 3, result.stdout

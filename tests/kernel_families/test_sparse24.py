@@ -96,7 +96,8 @@ def test_a_sliced_launch_names_its_slices_in_the_workload(table):
 #: appended to the rendered sliced kernel and run on the host (no GPU): for K cut into 2, 4 and 8
 #: slices, the layouts make_arguments gives the batched GEMM address exactly the entries of the
 #: whole weight's values and metadata that the unsliced layouts give, slice by slice; and CUTLASS's
-#: can_implement takes the packed layout the kernel shows it, not the real one
+#: can_implement takes the packed layout the kernel shows it, not the real one; and the slices it
+#: cuts K into for requested counts (which the cost model's k_slices mirrors)
 SLICED_LAYOUT_CHECK = r"""
 int main() {
   const int m = 256, n = 40, k = 2048;
@@ -120,6 +121,8 @@ int main() {
     std::printf("slices=%d wrong=%ld packed_taken=%d real_refused=%d\n", slices, wrong, packed_taken, real_refused);
     failed += wrong != 0 || !packed_taken || !real_refused;
   }
+  for (int kk : {768, 1040, 2048, 4096, 14336})
+    for (int requested : {2, 3, 4, 8, 16}) std::printf("slices_for %d %d %d\n", kk, requested, slices_for(m, n, kk, requested));
   return failed;
 }
 """
@@ -143,3 +146,7 @@ def test_sliced_kernel_layouts_address_the_whole_weight(tmp_path):
     result = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("wrong=0 packed_taken=1 real_refused=1") == 3, result.stdout
+    picked = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("slices_for")]
+    assert len(picked) == 25
+    for k, requested, slices in picked:            # the cost model's mirror of the kernel's rule
+        assert k_slices(16, int(k), int(requested), SMS) == int(slices), (k, requested, slices)

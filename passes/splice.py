@@ -67,10 +67,7 @@ def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: Packed
                 continue
             holder.register_buffer(f"{prefix}__{field}", tensor)
             tensors.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
-    if quantized:
-        node.target = OP_FOR_FP8[packed.spec.kind]
-    else:
-        node.target = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+    node.target = getattr(packed, "op", None) or (OP_FOR_FP8 if quantized else OP_FOR_KIND)[packed.spec.kind]
     node.args = (x, *tensors, *scales, *packed.scalars().values(), bias, activation, x_transposed, transpose_out,
                  *getattr(packed, "extra_args", ()))
     erase_dead_inputs(gm.graph, [weight])

@@ -364,11 +364,17 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 
 
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
+    if on_kernel and site.quantized:
+        refused = registry.refusal(choice, tuple(site.weight.shape), site.weight.dtype, input_dtype=site.input_dtype)
+        if refused:
+            plan[site.name].reason += f"; its inputs run on the reference op instead: {refused}"
+            on_kernel = False
     if on_kernel:
         entry = plan[site.name]
         lo, hi = entry.m_range or (site.m or DEFAULT_M,) * 2
         try:
-            packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True, above=entry.above)
+            packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True, above=entry.above,
+                                   input_dtype=site.input_dtype)
         except KernelBuildError as error:
             if settings().on_build_error != "fallback":
                 raise
@@ -376,7 +382,7 @@ def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan)
                         site.name, str(error).splitlines()[0])
             entry.reason += f"; its kernel failed to build, so it runs on torch: {str(error).splitlines()[0]}"
             return pack(site.weight, choice)
-        if choice == NM_2_4:
+        if choice == NM_2_4 and not site.quantized:
             family = registry.candidates(choice, site.weight.dtype, tuple(site.weight.shape), hi)[0]
             if family.max_m is not None:
                 entry.reason += (f"; batch {hi} <= {family.max_m}: the memory-bound {family.unit} (larger "

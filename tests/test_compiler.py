@@ -260,7 +260,7 @@ def test_kernel_build_failure_raises_or_falls_back(monkeypatch, gen):
     reason in the plan) when SPARSECC_ON_BUILD_ERROR=fallback."""
     from sparsecc.errors import KernelBuildError
 
-    def broken(weight, spec, m, *, tune_range=None, progress=False, above=None):
+    def broken(weight, spec, m, *, tune_range=None, progress=False, above=None, input_dtype=None):
         raise KernelBuildError("nvcc failed to compile sparsecc_x", command=["nvcc", "x.cu"], stderr="boom",
                                source_path="/tmp/x.cu")
 

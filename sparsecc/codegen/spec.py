@@ -27,6 +27,7 @@ class Family(str, enum.Enum):
     """A template, i.e. a kernel family. The value is the template's file stem."""
 
     SM90_SPARSE24 = "gemm_sm90_sparse24"
+    SM90_SPARSE24_FP8 = "gemm_sm90_sparse24_fp8"
     SM90_DENSE = "gemm_sm90_dense"
     SM90_COMPRESS24 = "compress_sm90_sparse24"
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
@@ -48,6 +49,12 @@ class Family(str, enum.Enum):
     @property
     def sparse(self) -> bool:
         return "sparse24" in self.value
+
+    @property
+    def fp8(self) -> bool:
+        """A product of e4m3 operands (a quantized site), dequantized by per-token and per-channel
+        scales in its epilogue; its dtype is the output's (the site's input dtype)."""
+        return self.value.endswith("_fp8")
 
     @property
     def gemv(self) -> bool:
@@ -96,7 +103,8 @@ class Family(str, enum.Enum):
         """A product that skips what dense would compute (``0 * NaN``), so it exports a pass
         (``_propagate_nonfinite``) that makes NaN and Inf of x reach y as in dense F.linear,
         run unless the call's flags say unchecked (sparsecc.kernels.nonfinite_guard)."""
-        return self in (Family.SM90_SPARSE24, Family.BSR_SM90_WGMMA, Family.BSR_SM90_PAIRS, Family.BSR_MMA_SM90)
+        return self in (Family.SM90_SPARSE24, Family.SM90_SPARSE24_FP8, Family.BSR_SM90_WGMMA, Family.BSR_SM90_PAIRS,
+                        Family.BSR_MMA_SM90)
 
 
 class Schedule(str, enum.Enum):
@@ -115,7 +123,9 @@ class Scheduler(str, enum.Enum):
 
 
 DTYPES = ("float16", "bfloat16")
-_SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+#: the element type of quantized weights: what the 2:4 compressor also packs
+E4M3 = "float8_e4m3fn"
+_SHORT_DTYPE = {"float16": "f16", "bfloat16": "bf16", E4M3: "e4m3"}
 
 #: tile shapes (M, N, K of the GEMM: out features x rows x in features) each family accepts.
 #: Every sm90 2:4 tile has K = 128, so one compressed layout serves all of them.
@@ -123,6 +133,8 @@ TILES = {
     Family.SM90_SPARSE24: {(64, 128, 128), (64, 256, 128), (128, 64, 128), (128, 128, 128),
                            (128, 256, 128), (256, 128, 128), (256, 64, 128), (64, 64, 128),
                            (128, 32, 128), (256, 32, 128)},
+    # e4m3 operands: the same 128-column K tiles (two sparse wgmma k-steps of 64)
+    Family.SM90_SPARSE24_FP8: {(128, 64, 128), (128, 128, 128), (128, 256, 128), (256, 128, 128)},
     Family.SM90_DENSE: {(64, 64, 64), (64, 128, 64), (64, 256, 64), (128, 64, 64), (128, 128, 64), (128, 256, 64),
                         (256, 128, 64), (128, 128, 128), (128, 256, 128)},
     Family.SM90_COMPRESS24: {(128, 128, 128)},
@@ -175,7 +187,8 @@ TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
 #: the residual pass's mode 0 (sparsecc.csr_split.BY_ROWS) stages x from this many rows of x,
 #: below it gathers (templates/residual_sm90.cu.j2; the cost model prices the mode it picks)
 RESIDUAL_STAGED_MIN_ROWS = 256
-DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_DENSE: (128, 128, 64),
+DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_SPARSE24_FP8: (128, 128, 128),
+                Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
                 Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
                 Family.BSR_SM90_WGMMA: (64, 64, 128),
@@ -218,8 +231,9 @@ class KernelSpec:
         object.__setattr__(self, "scheduler", Scheduler(self.scheduler))
         object.__setattr__(self, "tile", tuple(self.tile) or DEFAULT_TILE[self.family])
         object.__setattr__(self, "cluster", tuple(self.cluster))
-        if self.dtype not in DTYPES:
-            raise InputError(f"kernels are generated for {DTYPES}, not {self.dtype!r}")
+        if self.dtype not in DTYPES and not (self.family is Family.SM90_COMPRESS24 and self.dtype == E4M3):
+            raise InputError(f"kernels are generated for {DTYPES} (the 2:4 compressor also for {E4M3}), "
+                             f"not {self.dtype!r}")
         if self.tile not in TILES[self.family]:
             raise InputError(f"tile {self.tile} is not one of {sorted(TILES[self.family])} for {self.family.value}")
         if self.cluster not in CLUSTERS:
@@ -233,6 +247,8 @@ class KernelSpec:
                                        or self.schedule is not Schedule.COOPERATIVE
                                        or self.x_transposed or self.transpose_out):
             raise InputError(f"{self.family.value} kernels take no cluster, schedule, scheduler or operand-layout options")
+        if self.family.fp8 and (self.schedule is not Schedule.COOPERATIVE or self.scheduler is Scheduler.SLICED):
+            raise InputError(f"{self.family.value} runs the cooperative schedule, unsliced")
         if self.schedule is Schedule.COOPERATIVE and self.tile[0] < 128 and not self.family.own_launch:
             raise InputError("the cooperative schedule splits the tile's M over two warpgroups: M >= 128")
         if not isinstance(self.x_transposed, bool) or not isinstance(self.transpose_out, bool):

@@ -10,11 +10,9 @@ nothing faster takes it: exact, not fast.
   (:func:`~sparsecc.runtime.torch_ops.scaled_mm_refusal`); its op,
   ``sparsecc::linear_fp8_scaled_mm``, is the reference op wherever that is not so. Nothing is
   generated, packed or tuned: the weight stays the layer's e4m3 tensor.
-- FP8 2:4: not built, and answers only "not yet" here, so no plan can choose it. It needs a
-  CUTLASS sm_90a sparse GEMM on e4m3 (``wgmma.sp`` with K = 64 per instruction, the compressed
-  2:4 layout of e4m3, with 8-bit elements the metadata of a 4-byte chunk), the input
-  quantization as a prologue kernel (per-token amax, round to e4m3) and both scales applied in
-  the epilogue's visitor tree before the bias.
+- FP8 2:4 (:mod:`sparsecc.kernels.sparse24_fp8`): the CUTLASS sm_90a sparse GEMM on e4m3, both
+  scales applied in its epilogue's visitor tree before the bias, where a plan asks for 2:4
+  (``formats=("2:4",)``) on a Hopper GPU; the input is rounded to e4m3 by torch ops before it.
 
 docs/kernels.md ("FP8") says what runs where and how each is held to the reference ops.
 """
@@ -26,11 +24,7 @@ from ..ir.formats import FormatSpec
 from ..ir.quant import FP8_DTYPES
 from ..runtime.torch_ops import linear_fp8_scaled_mm, scaled_mm_refusal
 from .base import KernelFamily
-
-#: why no kernel runs an FP8 format that has no family
-NOT_BUILT = {
-    "nm": "FP8 2:4 runs on the reference op: the sparse FP8 CUTLASS GEMM (sm_90a) is not built yet",
-}
+from .sparse24_fp8 import SPARSE24_FP8
 
 
 class Fp8ScaledMm(KernelFamily):
@@ -61,13 +55,16 @@ SCALED_MM = Fp8ScaledMm()
 
 
 def refusal(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int] | None = None,
-            device: torch.device | str | None = None) -> str | None:
-    """Why no kernel runs ``spec`` for a weight of ``dtype`` (and ``shape``, on ``device``) when it
-    is an FP8 dtype (None for other dtypes: the other families answer for them)."""
+            device: torch.device | str | None = None, input_dtype: torch.dtype | None = None) -> str | None:
+    """Why no kernel runs ``spec`` for a weight of ``dtype`` (and ``shape``, on ``device``, for
+    inputs of ``input_dtype`` where known) when it is an FP8 dtype (None for other dtypes: the
+    other families answer for them)."""
     if dtype not in FP8_DTYPES:
         return None
+    if shape is None:
+        return "sparsecc's FP8 kernels need the weight's shape"
     if spec.kind == "dense":
-        if shape is None:
-            return f"{SCALED_MM.unit} needs the weight's shape"
         return SCALED_MM.refuses(spec, shape, dtype, device)
-    return NOT_BUILT.get(spec.kind, f"no FP8 kernel runs {spec}: a quantized site runs as dense or n:m")
+    if spec.kind == "nm":
+        return SPARSE24_FP8.refuses(spec, shape, dtype, input_dtype)
+    return f"no FP8 kernel runs {spec}: a quantized site runs as dense or n:m"

@@ -3,8 +3,8 @@ a weight (and why none can), how a chosen site is packed, and which kernels a pl
 
 The planner never names a family: it asks here. Adding a family is one module implementing
 :class:`~sparsecc.kernels.base.KernelFamily`, one template, and one entry in :data:`FAMILIES`.
-A quantized (FP8) weight that stays dense runs on :data:`FP8_FAMILIES` where they take it, its
-n:m formats on the reference op (:mod:`sparsecc.kernels.fp8` says why).
+A quantized (FP8) weight that stays dense runs on :data:`FP8_FAMILIES` where they take it, a 2:4
+one on the FP8 2:4 GEMM (:mod:`sparsecc.kernels.fp8` says where).
 Compile plans sparse formats only (a dense site runs torch's GEMM, which Inductor can fuse);
 the dense families run a dense weight on sparsecc's own kernels where a caller asks for them.
 """
@@ -27,6 +27,7 @@ from .csr_split import CsrSplit
 from .dense import SMALL as DENSE_SMALL
 from .dense import DenseGemm
 from . import sparse24_by_rows
+from .sparse24_fp8 import SPARSE24_FP8
 from .sparse24_small import GEMM, GEMV, MMA, choose
 
 BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
@@ -35,6 +36,8 @@ BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
 FAMILIES: tuple[KernelFamily, ...] = (DenseGemm(), DENSE_SMALL, GEMM, GEMV, MMA, BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM)
 #: the families that run a quantized (FP8) site that stays dense, on torch's FP8 GEMM (nothing generated)
 FP8_FAMILIES: tuple[KernelFamily, ...] = (fp8.SCALED_MM,)
+#: the families that run a quantized (FP8) site packed sparse, where a plan asks for it
+FP8_SPARSE_FAMILIES: tuple[KernelFamily, ...] = (SPARSE24_FP8,)
 #: the format kinds compile may choose a kernel family for
 PLANNED_KINDS = ("nm", "bsr", "csr")
 #: the batch an unstructured weight's kernels are timed at when the site's batch is not known
@@ -57,11 +60,12 @@ def serving(spec: FormatSpec) -> list[KernelFamily]:
 
 
 def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
-            device: torch.device | str | None = None) -> str | None:
+            device: torch.device | str | None = None, input_dtype: torch.dtype | None = None) -> str | None:
     """Why none of sparsecc's kernels runs ``spec`` for a weight of this shape and dtype, or None
-    (an FP8 weight's dense product may run only where ``device`` is known and takes it)."""
+    (an FP8 weight's dense product may run only where ``device`` is known and takes it; its 2:4
+    product only for the ``input_dtype`` the kernels write, where known)."""
     if dtype in FP8_DTYPES:
-        return fp8.refusal(spec, dtype, shape, device)
+        return fp8.refusal(spec, dtype, shape, device, input_dtype)
     reasons = [family.refuses(spec, shape, dtype) for family in serving(spec)]
     if not reasons:
         return f"sparsecc has no kernel for {spec}"
@@ -90,7 +94,10 @@ def packed_nbytes(spec: FormatSpec, stats, element: int) -> int | None:
 def candidates(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], planned_m: int | None) -> list[KernelFamily]:
     """The families compile may pack a site of ``spec`` planned for ``planned_m`` rows into: for
     2:4 the one :func:`~sparsecc.kernels.sparse24_small.choose` picks, for CSR every family that
-    takes the shape (the fastest on the weight is packed, :func:`pack_unstructured`)."""
+    takes the shape (the fastest on the weight is packed, :func:`pack_unstructured`); for a quantized
+    2:4 weight the FP8 GEMM."""
+    if dtype in FP8_DTYPES:
+        return [SPARSE24_FP8] if SPARSE24_FP8.refuses(spec, shape, dtype) is None else []
     if spec == NM_2_4:
         return [choose(dtype, shape, planned_m)]
     return [family for family in serving(spec) if family.refuses(spec, shape, dtype) is None]
@@ -108,15 +115,18 @@ def small_batch_tier(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int
 
 
 def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: tuple[int, int] | None = None,
-         progress: bool = False, above: str | None = None) -> PackedWeight:
+         progress: bool = False, above: str | None = None, input_dtype: torch.dtype | None = None) -> PackedWeight:
     """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known), its
     kernels loaded; the launches of the batches in ``tune_range`` are tuned first where they
     may be (:mod:`sparsecc.kernels.tune`). A 2:4 weight whose ``tune_range`` spans the
     small-batch kernels' rows and the GEMMs' is packed for both, or for the small-batch kernels
-    and the dense weight where ``above`` says ``"dense"`` (:mod:`~sparsecc.kernels.sparse24_by_rows`)."""
-    reason = refusal(spec, tuple(weight.shape), weight.dtype)
+    and the dense weight where ``above`` says ``"dense"`` (:mod:`~sparsecc.kernels.sparse24_by_rows`).
+    A quantized 2:4 weight is packed for the FP8 GEMM writing y in ``input_dtype``, its site's."""
+    reason = refusal(spec, tuple(weight.shape), weight.dtype, input_dtype=input_dtype)
     if reason:
         raise InputError(reason)
+    if weight.dtype in FP8_DTYPES:
+        return SPARSE24_FP8.pack(weight, spec, m, input_dtype=input_dtype, progress=progress)
     if spec == NM_2_4:
         return sparse24_by_rows.pack(weight, m, tune_range=tune_range, progress=progress, above=above)
     if spec.kind == "csr":

@@ -32,7 +32,8 @@ reasons say so). ``CostModel(measure=False)`` chooses from the predictions alone
 A quantized site (an e4m3 weight, made by ``sparsecc.quantize``) is decided apart
 (:meth:`CostModel.decide`): it stays dense (on ``torch._scaled_mm`` where the registry's FP8 family
 takes it on this device, else on its FP8 reference op) unless ``formats`` asks for an n:m format
-its weight fits. An FP8 format is a candidate only for an FP8 weight, so a model that was not
+its weight fits (2:4 then runs on the FP8 2:4 GEMM where it takes the weight on this device, else on
+its reference op). An FP8 format is a candidate only for an FP8 weight, so a model that was not
 quantized never runs one.
 
 A model whose ops run one by one from the host (``op_by_op=True``: the ``torch.compile``
@@ -453,27 +454,33 @@ class CostModel:
 
     def _decide_quantized(self, stats: WeightStats, allowed: list[FormatSpec] | None) -> Decision:
         """A quantized site's format (see the module docstring): dense, or the n:m format that
-        ``allowed`` names and the weight fits. Nothing is predicted or timed: the reference ops
-        unpack n:m to dense, so only memory, never time, could favour n:m today: no candidate is
-        listed with a time."""
+        ``allowed`` names and the weight fits. Nothing is predicted or timed (the FP8 2:4 GEMM is
+        not calibrated yet): no candidate is listed with a time."""
         fitting = [s for s in exact_candidates(stats, allowed) if s.kind in QUANTIZED_KINDS]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
         sparse = [s for s in fitting if s.kind != "dense"]
         if forced and sparse:
             spec = sparse[0]
-            why = registry.refusal(spec, stats.shape, getattr(torch, stats.dtype))
-            return Decision(spec, f"FP8 site: formats asks for {spec}, which the weight fits exactly; {why}; "
+            runs = self._quantized_runs_on(stats, spec)
+            return Decision(spec, f"FP8 site: formats asks for {spec}, which the weight fits exactly; {runs}; "
                                   "it computes what the dense FP8 site computes", [])
         if forced:
             names = ", ".join(str(s) for s in allowed)
             return Decision(DENSE, f"FP8 site: formats=({names}): none fits the weight exactly or has an FP8 op "
                                    f"({', '.join(QUANTIZED_KINDS)}); stays dense", [])
-        why = registry.refusal(NM_2_4, stats.shape, getattr(torch, stats.dtype))
         family, not_there = registry.quantized_dense(stats.shape, self.device)
         where = (f"runs on {family.unit} for the input dtypes it takes here (others on its reference op)" if family
                  else f"runs on its reference op ({not_there})")
-        return Decision(DENSE, f"FP8 site: stays dense, {where}; {why} (formats=('2:4',) packs a "
-                               "2:4 weight, same results)", [])
+        return Decision(DENSE, f"FP8 site: stays dense, {where}; formats=('2:4',) packs a 2:4 weight (same "
+                               "results)", [])
+
+    def _quantized_runs_on(self, stats: WeightStats, spec: FormatSpec) -> str:
+        """Where a quantized site packed as ``spec`` runs, for its plan's reason."""
+        if self.uses_kernel(stats, spec):
+            family = registry.candidates(spec, getattr(torch, stats.dtype), stats.shape, None)[0]
+            return f"runs on {family.unit} for fp16/bf16 inputs"
+        why = self.kernels_unavailable or self._kernel_refuses(stats, spec)
+        return f"runs on its reference op ({why})"
 
     def _extra_host_us(self, spec: FormatSpec) -> float:
         """What a predicted sparse candidate is charged for its host time (see the module docstring)."""

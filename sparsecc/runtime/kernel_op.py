@@ -1,5 +1,6 @@
 """``sparsecc::linear_kernel``: the custom op that runs a site on a generated kernel, and the
-per-batch dispatch table it carries.
+per-batch dispatch table it carries; ``sparsecc::linear_fp8_kernel``, its counterpart for a
+quantized (FP8) site.
 
 The op's ``kernels`` argument is a dispatch table by batch size M,
 ``"16=symbolA:1:1:0;0=symbolB:1:1:0"`` (``bound=symbol:swizzle:splits:flags``): the first entry
@@ -19,6 +20,7 @@ import torch
 from ..codegen.spec import KernelSpec
 from ..errors import InputError, SparseccError
 from ..ir.epilogue import ACTIVATION_CODES, Activation
+from ..ir.quant import quantize_input
 from . import launcher, loader
 from .build import KernelCache
 from .kernel_dir import prebuilt_launcher
@@ -31,6 +33,15 @@ _LIB.define("linear_kernel(Tensor x, Tensor weight, Tensor? metadata, int out_fe
 #: ``sparsecc::linear_kernel``: a site on a generated kernel; ``weight`` is the packed values
 #: with their ``metadata``, or (metadata None) the dense [N, K] weight
 linear_kernel = torch.ops.sparsecc.linear_kernel.default
+
+_LIB.define("linear_fp8_kernel(Tensor x, Tensor values, Tensor metadata, Tensor weight_scale, Tensor? input_scale, "
+            "int out_features, int in_features, Tensor? bias, str activation, bool x_transposed, "
+            "bool transpose_out, str kernels) -> Tensor")
+
+#: ``sparsecc::linear_fp8_kernel``: a quantized site on a generated FP8 kernel (the e4m3 weight
+#: packed as ``values`` and ``metadata``, its per-channel ``weight_scale``; x rounded per token,
+#: or with the static ``input_scale``, as :mod:`sparsecc.ir.quant` defines)
+linear_fp8_kernel = torch.ops.sparsecc.linear_fp8_kernel.default
 
 
 def dispatch_string(entries, flags: int = 0) -> str:
@@ -75,7 +86,7 @@ def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
         added = loader.load(specs, cache=cache, progress=progress)
     if added and torch.cuda.is_available() and cuda_implementation() == "c++":
         for kernel in added:
-            if not kernel.spec.family.compressor:
+            if not kernel.spec.family.compressor and not kernel.spec.family.fp8:   # linear_kernel's only
                 launcher.add_kernel(kernel.spec.symbol, kernel.library)
     return {spec: loader.get(spec.symbol) for spec in specs}
 
@@ -97,6 +108,15 @@ def _linear_kernel_elsewhere(x, weight, metadata, out_features, in_features, bia
 
 
 _LIB.impl("linear_kernel", _linear_kernel_elsewhere, "CPU")
+
+
+def _linear_fp8_kernel_elsewhere(x, values, metadata, weight_scale, input_scale, out_features, in_features, bias,
+                                 activation, x_transposed, transpose_out, kernels):
+    raise InputError("sparsecc::linear_fp8_kernel runs generated CUDA kernels: this module was compiled for a "
+                     f"CUDA GPU and cannot run on {x.device.type}; compile it again for this device")
+
+
+_LIB.impl("linear_fp8_kernel", _linear_fp8_kernel_elsewhere, "CPU")
 
 
 def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, activation, x_transposed,
@@ -141,4 +161,55 @@ def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, 
 
 @torch.library.register_fake("sparsecc::linear_kernel")
 def _(x, weight, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out, kernels):
+    return x.new_empty(output_shape(x, x_transposed, out_features, transpose_out))
+
+
+def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_features, in_features, bias,
+                            activation, x_transposed, transpose_out, kernels):
+    """x rounded to e4m3 by :func:`sparsecc.ir.quant.quantize_input` (what the reference ops round it
+    with), then the FP8 kernel: the e4m3 product dequantized, bias and activation in its epilogue."""
+    code = ACTIVATION_CODES.get(activation)
+    if code is None:
+        Activation.parse(activation)            # raises the clear error
+    if tuple(weight_scale.shape) != (out_features,):
+        raise InputError(f"sparsecc FP8 linear: weight_scale has shape {tuple(weight_scale.shape)}, "
+                         f"expected ({out_features},)")
+    one_dim = x.dim() == 1
+    xt = x.transpose(-1, -2) if x_transposed and not one_dim else x
+    if xt.shape[-1] != in_features:
+        raise InputError(f"sparsecc FP8 linear: input has {xt.shape[-1]} features along K, the weight expects "
+                         f"{in_features}")
+    lead = tuple(xt.shape[:-1])
+    rows = xt.reshape(-1, in_features)
+    m = rows.shape[0]
+    y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    if m > 0:
+        kernel, swizzle, splits, flags = kernel_for(kernels, m)
+        if kernel.spec.dtype != str(x.dtype).replace("torch.", ""):
+            raise InputError(f"sparsecc FP8 linear: this site was compiled for {kernel.spec.dtype} inputs, "
+                             f"not {x.dtype}; compile it again")
+        x_q, x_scale = quantize_input(rows, input_scale)
+        x_scale = x_scale.to(torch.float32).reshape(-1).expand(m).contiguous()   # per token, or the static one
+        w_scale = weight_scale.to(torch.float32).contiguous()
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=x.device) if workspace_bytes else None
+        kernel.gemm(values.data_ptr(), metadata.data_ptr(), x_q.contiguous().data_ptr(),
+                    bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
+                    code + flags, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
+                    workspace=workspace.data_ptr() if workspace is not None else 0,
+                    scales=(w_scale.data_ptr(), x_scale.data_ptr()))
+    y = y.reshape(*lead, out_features)
+    if transpose_out and not one_dim:
+        y = y.transpose(-1, -2).contiguous()
+    return y
+
+
+_LIB.impl("linear_fp8_kernel", _linear_fp8_kernel_cuda, "CUDA")
+
+
+@torch.library.register_fake("sparsecc::linear_fp8_kernel")
+def _(x, values, metadata, weight_scale, input_scale, out_features, in_features, bias, activation, x_transposed,
+      transpose_out, kernels):
     return x.new_empty(output_shape(x, x_transposed, out_features, transpose_out))

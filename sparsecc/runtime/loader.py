@@ -46,6 +46,8 @@ class Kernel:
         else:
             self._run = getattr(self.library, f"{symbol}_run")
             self._run.argtypes = [_VOID, _VOID, _VOID, _VOID, _VOID, _INT, _INT, _INT, _INT, _INT, _INT, _VOID, _VOID]
+            if spec.family.fp8:                  # the weight's and x's fp32 scales
+                self._run.argtypes += [_VOID, _VOID]
             self._run.restype = _INT
             self._workspace_size = getattr(self.library, f"{symbol}_workspace_size")
             self._workspace_size.argtypes = [_INT, _INT, _INT, _INT, _INT]
@@ -68,10 +70,14 @@ class Kernel:
         return self._workspace_sizes[key]
 
     def gemm(self, a: int, e: int, b: int, bias: int, d: int, m: int, n: int, k: int,
-             activation: int, stream: int, *, swizzle: int = 1, splits: int = 1, workspace: int = 0) -> None:
-        """GEMM sizes: m = out features, n = rows of x, k = in features (pointers as ints)."""
+             activation: int, stream: int, *, swizzle: int = 1, splits: int = 1, workspace: int = 0,
+             scales: tuple[int, int] | None = None) -> None:
+        """GEMM sizes: m = out features, n = rows of x, k = in features (pointers as ints); an FP8
+        kernel's ``scales`` are the pointers to the weight's fp32 scales [m] and x's [n]."""
+        if self.spec.family.fp8 != (scales is not None):
+            raise KernelRunError(f"{self.spec.symbol} takes scales if and only if it is an FP8 kernel")
         self._check(self._run(a, e, b, bias or None, d, m, n, k, activation, swizzle, splits,
-                              workspace or None, stream))
+                              workspace or None, stream, *(scales or ())))
 
     def propagate_nonfinite(self, e: int, b: int, d: int, m: int, n: int, k: int, stream: int) -> None:
         """The pass a 2:4 GEMM or BSR kernel runs after its product so that NaN and Inf of x reach y

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparsecc
+from sparsecc.codegen.spec import Family
 from sparsecc.ir.analysis import analyze
 from sparsecc.ir.epilogue import apply_activation
 from sparsecc.ir.formats import DENSE, NM_2_4
@@ -87,11 +88,18 @@ def test_without_a_gpu_the_registry_and_the_plan_keep_fp8_on_the_reference_op():
     assert registry.refusal(DENSE, shape, E4M3) is not None                # no device: nothing to run it on
     assert "CUDA GPU" in registry.refusal(DENSE, shape, E4M3, "cpu")
     assert registry.quantized_dense(shape, "cpu")[0] is None
-    assert "not built" in registry.refusal(NM_2_4, shape, E4M3, "cpu")
+    assert registry.refusal(NM_2_4, shape, E4M3, "cpu") is None            # the FP8 2:4 GEMM takes the shape
+    assert "K % 32 == 0" in registry.refusal(NM_2_4, (64, 48), E4M3)
+    assert "float16/bfloat16 inputs" in registry.refusal(NM_2_4, shape, E4M3, input_dtype=torch.float32)
     assert registry.kernel_specs(DENSE, E4M3, shape, 1.0, 16) == []
     weight, _ = quantize_weight(torch.randn(*shape))
-    decision = CostModel("cpu", measure=False, calibration=None)._decide_quantized(analyze(weight), None)
+    model = CostModel("cpu", measure=False, calibration=None)
+    decision = model._decide_quantized(analyze(weight), None)
     assert decision.choice == DENSE and "runs on its reference op (torch._scaled_mm runs FP8 products on a CUDA" \
+        in decision.reason
+    pruned, _ = quantize_weight(n_m(*shape, 2, 4))
+    decision = model._decide_quantized(analyze(pruned), [NM_2_4])
+    assert decision.choice == NM_2_4 and "runs on its reference op (sparsecc's kernels run on CUDA GPUs)" \
         in decision.reason
 
 
@@ -105,7 +113,11 @@ def test_on_a_gpu_that_takes_it_the_registry_and_the_plan_name_scaled_mm(gpu):
     model = CostModel("cuda", measure=False, calibration=None, kernels_unavailable=None)
     decision = model._decide_quantized(analyze(weight), None)
     assert decision.choice == DENSE and "runs on torch._scaled_mm" in decision.reason
-    assert model._decide_quantized(analyze(weight), [NM_2_4]).choice == NM_2_4    # 2:4 where asked for
+    decision = model._decide_quantized(analyze(weight), [NM_2_4])                   # 2:4 where asked for
+    assert decision.choice == NM_2_4 and "runs on sparsecc's sm90 FP8 2:4 CUTLASS kernel" in decision.reason
+    specs = registry.kernel_specs(NM_2_4, E4M3, (64, 64), 0.5, 16)
+    assert {s.family for s in specs} == {Family.SM90_COMPRESS24, Family.SM90_SPARSE24_FP8}
+    assert {s.dtype for s in specs if s.family is Family.SM90_SPARSE24_FP8} == {"float16", "bfloat16"}
 
 
 def test_a_quantized_model_compiled_on_the_cpu_runs_the_reference_op():

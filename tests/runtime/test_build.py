@@ -161,11 +161,12 @@ def test_build_killed_midway_leaves_no_entry(fake_nvcc, monkeypatch, tmp_path):
     assert build([SPEC], progress=False)[SPEC].is_file()
 
 
-#: one kernel of every template (its default tile), and the GEMMs' sliced scheduler, dense and 2:4
-#: (a second kernel in the same source)
+#: one kernel of every template (its default tile), the GEMMs' sliced scheduler, dense and 2:4
+#: (a second kernel in the same source), and the 2:4 compressor for e4m3
 COMPILED = [KernelSpec(family, "float16") for family in Family] + [
     KernelSpec(Family.SM90_DENSE, "float16", tile=(128, 64, 64), scheduler=Scheduler.SLICED),
-    KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 32, 128), scheduler=Scheduler.SLICED)]
+    KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 32, 128), scheduler=Scheduler.SLICED),
+    KernelSpec(Family.SM90_COMPRESS24, "float8_e4m3fn")]
 
 
 @requires_nvcc

@@ -1,0 +1,131 @@
+"""Quantized (FP8) 2:4 weights on the Hopper CUTLASS GEMM (templates/gemm_sm90_sparse24_fp8.cu.j2).
+
+A quantized site (``sparsecc.quantize``: an e4m3 weight with per-channel fp32 scales) whose zeros
+fall 2:4 is compressed as the fp16 2:4 GEMM's weights are, by CUTLASS's compressor for e4m3,
+followed by the site's NaN/Inf guard. Its op, ``sparsecc::linear_fp8_kernel``, rounds x to e4m3
+with :func:`sparsecc.ir.quant.quantize_input` (the reference ops' own rounding), and the kernel
+multiplies the e4m3 values on the sparse tensor cores (``wgmma.sp``, 64 inputs a step), scales each
+fp32 sum by x's per-token and the weight's per-channel scale in its epilogue, adds the bias and
+applies the activation: the reference op's sums in another order. A 2:4 e4m3 weight is 5/16 of
+the fp16 dense weight's bytes.
+
+Its launches are not tuned yet (one per batch bucket, :data:`DEFAULTS`), and the quantization of
+x runs as torch ops before the kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codegen.spec import E4M3 as E4M3_NAME
+from ..codegen.spec import Family, KernelSpec
+from ..ir.analysis import WeightStats
+from ..ir.formats import NM_2_4, FormatSpec
+from ..ir.quant import FP8_DTYPES
+from ..ir.workload import Workload, dtype_name
+from ..runtime.kernel_op import ensure, linear_fp8_kernel
+from . import nonfinite_guard
+from .base import Buckets, KernelFamily, KernelWeight, Launch, check_cuda_weight, nonfinite_flags
+
+#: the dtypes the kernels write y in (the site's input dtype)
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16)
+#: K a multiple of this: a row of the compressed e4m3 values is K / 2 bytes, 16-byte aligned for TMA
+K_MULTIPLE = 32
+#: the tile per batch bucket: narrow tiles of x for small batches, wide for large ones
+DEFAULTS = {1: (128, 64, 128), 128: (128, 64, 128), 2048: (128, 256, 128), 0: (128, 256, 128)}
+
+
+class CutlassSparse24Fp8Weight(KernelWeight):
+    """An e4m3 2:4 weight in the layout the sm90 FP8 GEMM reads: compressed values and metadata,
+    as CUTLASS's compressor writes them, the metadata followed by the site's NaN/Inf guard. The
+    per-channel scales stay the site's own argument."""
+
+    spec = NM_2_4
+    op = linear_fp8_kernel
+
+    @classmethod
+    def compress(cls, weight: torch.Tensor) -> "CutlassSparse24Fp8Weight":
+        """Compress ``weight`` (a 2:4 e4m3 [N, K] CUDA tensor) with CUTLASS's compressor kernel."""
+        kernel = next(iter(ensure([KernelSpec(Family.SM90_COMPRESS24, E4M3_NAME)], progress=False).values()))
+        n, k = weight.shape
+        value_count, metadata_bytes = kernel.sizes(n, k)
+        dense = weight.detach().contiguous()
+        values = torch.zeros(value_count, dtype=torch.uint8, device=weight.device).view(weight.dtype)
+        metadata = torch.zeros(metadata_bytes, dtype=torch.uint8, device=weight.device)
+        with torch.cuda.device(weight.device):
+            kernel.compress(dense.data_ptr(), values.data_ptr(), metadata.data_ptr(), n, k,
+                            torch.cuda.current_stream().cuda_stream)
+        # every e4m3 zero is +0 (sparsecc.ir.quant), so a zero's byte is 0: columns no row stores
+        # are listed for the NaN/Inf pass, as for the fp16 GEMM
+        metadata = nonfinite_guard.append_guard(metadata, ~(dense.view(torch.uint8) != 0).any(dim=0))
+        return cls(values, metadata, n, k)
+
+
+class Sparse24Fp8Gemm(KernelFamily):
+    """Quantized 2:4 weights (e4m3) on the FP8 CUTLASS GEMM, for fp16 and bf16 inputs."""
+
+    name = "sparse24-fp8-gemm"
+    kind = "nm"
+    templates = (Family.SM90_SPARSE24_FP8,)        # and the 2:4 GEMM's compressor, for e4m3
+    unit = "sparsecc's sm90 FP8 2:4 CUTLASS kernel"
+    impls = ("sparse24-fp8-gemm",)
+    buckets = Buckets((1, 128, 2048), 8192)
+
+    def refuses(self, spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
+                input_dtype: torch.dtype | None = None) -> str | None:
+        """Why the kernel cannot run ``spec`` for an e4m3 weight of this shape with inputs of
+        ``input_dtype`` (None: not known yet), or None."""
+        if spec != NM_2_4:
+            return f"the FP8 sparse tensor cores run 2:4, not {spec}"
+        if dtype not in FP8_DTYPES:
+            return f"{self.unit} runs e4m3 weights, not {dtype_name(dtype)}"
+        n, k = shape
+        if k % K_MULTIPLE or n % 8:
+            return (f"{self.unit} needs K % {K_MULTIPLE} == 0 and N % 8 == 0 "
+                    f"(this weight is {n}x{k})")
+        if input_dtype is not None and input_dtype not in OUTPUT_DTYPES:
+            return f"{self.unit} takes float16/bfloat16 inputs, not {dtype_name(input_dtype)}"
+        return None
+
+    def dispatch(self, input_dtype: torch.dtype) -> list[tuple[int, Launch]]:
+        """The launch per bucket, for inputs (and y) of ``input_dtype``."""
+        name = dtype_name(input_dtype)
+        return [(bound, Launch(KernelSpec(Family.SM90_SPARSE24_FP8, name, tile=DEFAULTS[bound])))
+                for bound, _ in self.buckets]
+
+    def pack(self, weight, spec, m, *, input_dtype: torch.dtype | None = None, tune_range=None, progress=False):
+        """``weight`` packed for sites whose inputs are ``input_dtype`` (fp16 unless known)."""
+        input_dtype = input_dtype or torch.float16
+        check_cuda_weight(weight, self.refuses(spec, tuple(weight.shape), weight.dtype, input_dtype))
+        table = self.dispatch(input_dtype)
+        ensure([launch.spec for _, launch in table], progress=progress)
+        return self.layout(weight).running(table, nonfinite_flags())
+
+    def layout(self, weight):
+        return CutlassSparse24Fp8Weight.compress(weight)
+
+    def kernel_specs(self, dtype, shape, spec, density, m):
+        return [KernelSpec(Family.SM90_COMPRESS24, E4M3_NAME)] + list(dict.fromkeys(
+            launch.spec for input_dtype in OUTPUT_DTYPES for _, launch in self.dispatch(input_dtype)))
+
+    def nbytes(self, stats: WeightStats, element: int) -> int | None:
+        """Half the values, one byte each, and 4 bits of metadata per group of four."""
+        n, k = stats.shape
+        return n * k // 2 + n * k // 8
+
+    def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
+        n, k = stats.shape
+        tile = DEFAULTS[self.buckets.bound_for(m)]
+        return [Workload(self.name, stats.dtype, m, n, k, round(stats.density, 6), tile=tile[:2])]
+
+    def work(self, w, sms):
+        """Half the math of a dense e4m3 GEMM (the tiles padded, in waves of CTAs), the weight in
+        5/8 of a byte per element, x once in e4m3 and y in 16 bits."""
+        tile_n, tile_m = w.tile or (128, 64)
+        tiles = math.ceil(w.n / tile_n) * math.ceil(w.m / tile_m)
+        waves = math.ceil(tiles / sms) * sms / tiles
+        return tiles * tile_n * tile_m * w.k * waves, w.n * w.k * 5 / 8 + w.m * w.k + 2 * w.m * w.n
+
+
+SPARSE24_FP8 = Sparse24Fp8Gemm()

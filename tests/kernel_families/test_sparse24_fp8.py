@@ -1,0 +1,106 @@
+"""The FP8 2:4 GEMM family on the CPU (sparsecc.kernels.sparse24_fp8): what it takes, the kernels a
+plan needs, how splice calls its op, and (where nvcc is) the shapes the kernel's own
+can_implement takes, checked on the host against the family's rule. On the GPU:
+test_sparse24_fp8_gpu.py."""
+import subprocess
+
+import pytest
+import torch
+
+from sparsecc.codegen.render import render
+from sparsecc.codegen.spec import Family, KernelSpec
+from sparsecc.ir.formats import NM_2_4, FormatSpec
+from sparsecc.ir.quant import E4M3
+from sparsecc.kernels.sparse24_fp8 import SPARSE24_FP8, CutlassSparse24Fp8Weight
+from sparsecc.runtime.build import toolchain
+from sparsecc.runtime.kernel_op import linear_fp8_kernel
+
+from conftest import requires_nvcc
+
+
+@pytest.mark.parametrize("spec, shape, dtype, input_dtype, refused", [
+    (NM_2_4, (4096, 4096), E4M3, torch.float16, None),
+    (NM_2_4, (4096, 4096), E4M3, None, None),                       # inputs not known yet
+    (NM_2_4, (4096, 4112), E4M3, torch.bfloat16, "K % 32 == 0"),    # K / 2 bytes a row: 16-byte aligned
+    (NM_2_4, (4100, 4096), E4M3, torch.float16, "N % 8 == 0"),
+    (NM_2_4, (4096, 4096), torch.float16, torch.float16, "runs e4m3 weights"),
+    (NM_2_4, (4096, 4096), E4M3, torch.float32, "float16/bfloat16 inputs"),
+    (FormatSpec("nm", n=1, m=4), (4096, 4096), E4M3, torch.float16, "run 2:4"),
+])
+def test_what_the_family_takes(spec, shape, dtype, input_dtype, refused):
+    reason = SPARSE24_FP8.refuses(spec, shape, dtype, input_dtype)
+    assert reason is None if refused is None else refused in reason
+
+
+def test_a_plan_builds_the_e4m3_compressor_and_a_gemm_per_input_dtype():
+    specs = SPARSE24_FP8.kernel_specs(E4M3, (4096, 4096), NM_2_4, 0.5, 16)
+    assert specs[0] == KernelSpec(Family.SM90_COMPRESS24, "float8_e4m3fn")
+    assert {(s.family, s.dtype) for s in specs[1:]} == {(Family.SM90_SPARSE24_FP8, "float16"),
+                                                         (Family.SM90_SPARSE24_FP8, "bfloat16")}
+    table = SPARSE24_FP8.dispatch(torch.bfloat16)
+    assert [bound for bound, _ in table] == [1, 128, 2048, 0]
+    assert all(launch.spec.dtype == "bfloat16" for _, launch in table)
+
+
+def test_splice_calls_the_fp8_kernel_op_with_the_sites_scales():
+    """A quantized site packed for the kernel runs sparsecc::linear_fp8_kernel on its values and
+    metadata with the site's own weight and input scales (the node's arguments), then the sizes,
+    the epilogue and the dispatch table."""
+    import torch.fx as fx
+
+    from sparsecc.ir.site import SITE_KEY
+    from sparsecc.passes import splice
+    from sparsecc.runtime.torch_ops import linear_fp8
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    weight, w_scale = graph.get_attr("weight"), graph.get_attr("weight_scale")
+    node = graph.call_function(linear_fp8, (x, weight, w_scale, None, None, "relu", False, False))
+    graph.output(node)
+    root = torch.nn.Module()
+    root.register_buffer("weight", torch.zeros(16, 64, dtype=E4M3))
+    root.register_buffer("weight_scale", torch.ones(16))
+    gm = fx.GraphModule(root, graph)
+    node.meta[SITE_KEY] = type("Site", (), {"name": "fc", "quantized": True})()
+    packed = CutlassSparse24Fp8Weight(torch.zeros(512, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8),
+                                      16, 64, kernels="0=sparsecc_x:1:1:0")
+    splice.run(gm, {"fc": packed})
+    call = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert call.target is linear_fp8_kernel
+    values, metadata, scale, input_scale, *rest = call.args[1:]
+    assert (values.target, metadata.target) == ("sparsecc_packed.fc__values", "sparsecc_packed.fc__metadata")
+    assert scale.target == "weight_scale" and input_scale is None
+    assert rest == [16, 64, None, "relu", False, False, "0=sparsecc_x:1:1:0"]
+
+
+#: appended to the rendered FP8 kernel and run on the host (no GPU): whether its can_implement takes
+#: an m x k weight (with 40 rows of x), for the shapes in argv
+CAN_IMPLEMENT = r"""
+int main(int argc, char** argv) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const int m = std::atoi(argv[i]), k = std::atoi(argv[i + 1]);
+    auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, 40, k, 0, nullptr, 1, 1);
+    std::printf("%d %d %d\n", m, k, Gemm::can_implement(args) == cutlass::Status::kSuccess);
+  }
+  return 0;
+}
+"""
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_the_kernel_takes_the_shapes_the_family_takes(tmp_path):
+    """The rendered FP8 kernel's own can_implement, on the host, agrees with the family's rule."""
+    source = tmp_path / "check.cu"
+    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + "#include <cstdlib>\n" + CAN_IMPLEMENT)
+    tools = toolchain()
+    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
+                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
+                   check=True, capture_output=True)
+    shapes = [(4096, 4096), (4096, 4128), (4096, 4112), (4096, 4104), (264, 1056), (264, 1040)]
+    result = subprocess.run([str(tmp_path / "check"), *(str(v) for shape in shapes for v in shape)],
+                            capture_output=True, text=True, check=True)
+    taken = {(int(m), int(k)): bool(int(ok)) for m, k, ok in (line.split() for line in result.stdout.splitlines())}
+    assert taken == {shape: SPARSE24_FP8.refuses(NM_2_4, shape, E4M3) is None for shape in shapes}

@@ -2,15 +2,15 @@
 
 A quantized site (``sparsecc.quantize``: an e4m3 weight with per-channel fp32 scales) whose zeros
 fall 2:4 is compressed as the fp16 2:4 GEMM's weights are, by CUTLASS's compressor for e4m3,
-followed by the site's NaN/Inf guard. Its op, ``sparsecc::linear_fp8_kernel``, rounds x to e4m3
-with :func:`sparsecc.ir.quant.quantize_input` (the reference ops' own rounding), and the kernel
-multiplies the e4m3 values on the sparse tensor cores (``wgmma.sp``, 64 inputs a step), scales each
-fp32 sum by x's per-token and the weight's per-channel scale in its epilogue, adds the bias and
-applies the activation: the reference op's sums in another order. A 2:4 e4m3 weight is 5/16 of
+followed by the site's NaN/Inf guard. Its op, ``sparsecc::linear_fp8_kernel``, hands x to the
+kernel, which rounds its rows to e4m3 in a first pass (per token or with the static scale, bit for
+bit as :func:`sparsecc.ir.quant.quantize_input` does), multiplies the e4m3 values on the sparse
+tensor cores (``wgmma.sp``, 64 inputs a step), scales each fp32 sum by x's per-token and the
+weight's per-channel scale in its epilogue, adds the bias and applies the activation: the
+reference op's sums in another order. A 2:4 e4m3 weight is 5/16 of
 the fp16 dense weight's bytes.
 
-Its launches are not tuned yet (one per batch bucket, :data:`DEFAULTS`), and the quantization of
-x runs as torch ops before the kernel.
+Its launches are not tuned yet (one per batch bucket, :data:`DEFAULTS`).
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ import torch
 from ..codegen.spec import KernelSpec
 from ..errors import InputError, SparseccError
 from ..ir.epilogue import ACTIVATION_CODES, Activation
-from ..ir.quant import quantize_input
 from . import launcher, loader
 from .build import KernelCache
 from .kernel_dir import prebuilt_launcher
@@ -166,8 +165,9 @@ def _(x, weight, metadata, out_features, in_features, bias, activation, x_transp
 
 def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_features, in_features, bias,
                             activation, x_transposed, transpose_out, kernels):
-    """x rounded to e4m3 by :func:`sparsecc.ir.quant.quantize_input` (what the reference ops round it
-    with), then the FP8 kernel: the e4m3 product dequantized, bias and activation in its epilogue."""
+    """The FP8 kernel on x's rows: it rounds them to e4m3 itself (per token, or with the static
+    ``input_scale``), bit for bit as :func:`sparsecc.ir.quant.quantize_input` does, then multiplies,
+    dequantizes and applies the epilogue."""
     code = ACTIVATION_CODES.get(activation)
     if code is None:
         Activation.parse(activation)            # raises the clear error
@@ -181,6 +181,8 @@ def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_
                          f"{in_features}")
     lead = tuple(xt.shape[:-1])
     rows = xt.reshape(-1, in_features)
+    if not rows.is_contiguous() or rows.data_ptr() % 16:
+        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
     m = rows.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m > 0:
@@ -188,18 +190,16 @@ def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_
         if kernel.spec.dtype != str(x.dtype).replace("torch.", ""):
             raise InputError(f"sparsecc FP8 linear: this site was compiled for {kernel.spec.dtype} inputs, "
                              f"not {x.dtype}; compile it again")
-        x_q, x_scale = quantize_input(rows, input_scale)
-        x_scale = x_scale.to(torch.float32).reshape(-1).expand(m).contiguous()   # per token, or the static one
         w_scale = weight_scale.to(torch.float32).contiguous()
+        static = input_scale.to(torch.float32).reshape(()).contiguous() if input_scale is not None else None
         if bias is not None:
             bias = bias.to(x.dtype).contiguous()
-        workspace_bytes = kernel.workspace_size(out_features, m, in_features, swizzle, splits)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=x.device) if workspace_bytes else None
-        kernel.gemm(values.data_ptr(), metadata.data_ptr(), x_q.contiguous().data_ptr(),
-                    bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
-                    code + flags, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
-                    workspace=workspace.data_ptr() if workspace is not None else 0,
-                    scales=(w_scale.data_ptr(), x_scale.data_ptr()))
+        workspace = torch.empty(kernel.workspace_size(out_features, m, in_features, swizzle, splits),
+                                dtype=torch.uint8, device=x.device)
+        kernel.gemm(values.data_ptr(), metadata.data_ptr(), rows.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                    y.data_ptr(), out_features, m, in_features, code + flags, torch.cuda.current_stream().cuda_stream,
+                    swizzle=swizzle, splits=splits, workspace=workspace.data_ptr(),
+                    scales=(w_scale.data_ptr(), static.data_ptr() if static is not None else 0))
     y = y.reshape(*lead, out_features)
     if transpose_out and not one_dim:
         y = y.transpose(-1, -2).contiguous()

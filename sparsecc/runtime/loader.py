@@ -73,7 +73,8 @@ class Kernel:
              activation: int, stream: int, *, swizzle: int = 1, splits: int = 1, workspace: int = 0,
              scales: tuple[int, int] | None = None) -> None:
         """GEMM sizes: m = out features, n = rows of x, k = in features (pointers as ints); an FP8
-        kernel's ``scales`` are the pointers to the weight's fp32 scales [m] and x's [n]."""
+        kernel's ``scales`` point to the weight's fp32 scales [m] and to x's static fp32 scale (0:
+        per token), and its ``b`` is x in the site's dtype (the kernel rounds it to e4m3)."""
         if self.spec.family.fp8 != (scales is not None):
             raise KernelRunError(f"{self.spec.symbol} takes scales if and only if it is an FP8 kernel")
         self._check(self._run(a, e, b, bias or None, d, m, n, k, activation, swizzle, splits,

@@ -97,10 +97,11 @@ def test_sliced_24_gemm_reads_slices_of_the_one_compressed_weight(layout):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fp8_24_gemm_dequantizes_in_its_epilogue(dtype):
-    """The FP8 2:4 GEMM: e4m3 operands, y in the site's dtype, each sum scaled by x's per-token
-    scale (a row vector of D) and the weight's per-channel scale (a column vector) before the bias,
-    the probe and the activation; the scales are arguments of its entry point; its compressor is the
-    2:4 one for e4m3; the NaN/Inf pass reads eight e4m3 inputs in one 8-byte load."""
+    """The FP8 2:4 GEMM: e4m3 operands (x rounded by a first kernel of its own), y in the site's
+    dtype, each sum scaled by x's per-token scale (a row vector of D) and the weight's per-channel
+    scale (a column vector) before the bias, the probe and the activation; the weight's and a static
+    input scale are arguments of its entry point; its compressor is the 2:4 one for e4m3; the NaN/Inf
+    pass reads eight e4m3 inputs in one 8-byte load."""
     spec = KernelSpec(Family.SM90_SPARSE24_FP8, dtype)
     assert spec.symbol.startswith(f"sparsecc_gemm_sm90_sparse24_fp8_{'f16' if dtype == 'float16' else 'bf16'}_")
     source = render(spec)
@@ -109,12 +110,13 @@ def test_fp8_24_gemm_dequantizes_in_its_epilogue(dtype):
     assert "Sm90RowBroadcast<0, TileShape, float, ElementCompute, Stride<_0, _1, int64_t>, 1>" in source
     assert "Sm90ColBroadcast<0, TileShape, float, ElementCompute, Stride<_1, _0, int64_t>, 4>" in source
     assert "sparsecc::NonfiniteProbe, Dequantized" in source and "{scale_x, 1.0f, {}}" in source
-    assert "void* workspace, void* stream, const void* scale_w, const void* scale_x)" in source
+    assert "void* workspace, void* stream, const void* scale_w, const void* input_scale)" in source
+    assert "quantize_rows<<<n, kQuantizeThreads" in source and "sparsecc::e4m3_code(__fdiv_rn(" in source
     assert "conditional_t<sizeof(ElementB) == 2, uint4, uint2>" in source
     compressor = KernelSpec(Family.SM90_COMPRESS24, "float8_e4m3fn")
     assert compressor.symbol == "sparsecc_compress_sm90_sparse24_e4m3"
     assert "using ElementA = cutlass::float_e4m3_t;" in render(compressor)
-    assert "const void* scale_w, const void* scale_x)" not in render(KernelSpec(Family.SM90_SPARSE24, dtype))
+    assert "const void* scale_w" not in render(KernelSpec(Family.SM90_SPARSE24, dtype))
 
 
 def test_small_batch_kernels_stream_their_weights_and_keep_x_in_l1():

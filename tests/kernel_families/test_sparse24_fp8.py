@@ -104,3 +104,81 @@ def test_the_kernel_takes_the_shapes_the_family_takes(tmp_path):
                             capture_output=True, text=True, check=True)
     taken = {(int(m), int(k)): bool(int(ok)) for m, k, ok in (line.split() for line in result.stdout.splitlines())}
     assert taken == {shape: SPARSE24_FP8.refuses(NM_2_4, shape, E4M3) is None for shape in shapes}
+
+
+#: appended to the rendered FP8 kernel and run on the host: its e4m3 rounding (e4m3_code of
+#: value / scale) and per-token scale (e4m3_scale of an amax), on the float32 arrays of a file
+ROUNDING = r"""
+#include <vector>
+int main(int argc, char** argv) {
+  std::FILE* in = std::fopen(argv[1], "rb");
+  std::FILE* out = std::fopen(argv[2], "wb");
+  long count = 0;
+  if (std::fread(&count, sizeof(count), 1, in) != 1) return 2;
+  std::vector<float> values(count), scales(count), amax(count), got_scales(count);
+  std::vector<uint8_t> codes(count);
+  if (std::fread(values.data(), 4, count, in) != size_t(count) || std::fread(scales.data(), 4, count, in) != size_t(count)
+      || std::fread(amax.data(), 4, count, in) != size_t(count)) return 2;
+  for (long i = 0; i < count; ++i) {
+    codes[i] = sparsecc::e4m3_code(values[i] / scales[i]);
+    got_scales[i] = sparsecc::e4m3_scale(amax[i]);
+  }
+  std::fwrite(codes.data(), 1, count, out);
+  std::fwrite(got_scales.data(), 4, count, out);
+  return 0;
+}
+"""
+
+
+def rounding_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values (with their scales) that probe every rounding decision of e4m3: each e4m3 value and
+    each midpoint between two neighbours (ties) with the float32 values just beside them, the
+    subnormal range, values past 448, zeros of both signs, infinities, NaN of both signs, float32
+    subnormals, and random data over many scales; and amax values for the per-token scale."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    edges = torch.cat([finite, mids, -mids, torch.tensor([448.0, 460.0, 464.0, 470.0, 1e6, 2.0 ** -10, 3 * 2.0 ** -11,
+                                                           1e-40, -1e-40, 0.0, -0.0, float("inf"), -float("inf"),
+                                                           float("nan"), -float("nan")])])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, float("inf"))),
+                       torch.nextafter(edges, torch.full_like(edges, -float("inf")))])
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randn(200_000, generator=generator) * 10.0 ** torch.randint(-6, 4, (200_000,), generator=generator)
+    values = torch.cat([edges, random])
+    scales = torch.cat([torch.ones(len(edges)), torch.rand(len(random), generator=generator) * 3 + 1e-3])
+    amax = torch.cat([values.abs(), torch.tensor([0.0, float("nan"), float("inf")])])
+    values = torch.cat([values, torch.ones(3)])
+    scales = torch.cat([scales, torch.ones(3)])
+    return values.contiguous(), scales.contiguous(), amax.contiguous()
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_the_kernels_rounding_to_e4m3_is_sparsecc_ir_quants(tmp_path):
+    """The FP8 kernel rounds x to e4m3 itself; its rounding, compiled for the host from the rendered
+    kernel, gives the same codes as sparsecc.ir.quant.to_e4m3 (torch's cast) on every probed value,
+    and the same per-token scales as amax_scale."""
+    from sparsecc.ir.quant import amax_scale, to_e4m3
+
+    source = tmp_path / "check.cu"
+    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + ROUNDING)
+    tools = toolchain()
+    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
+                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
+                   check=True, capture_output=True)
+    values, scales, amax = rounding_cases()
+    count = len(values)
+    (tmp_path / "in.bin").write_bytes(torch.tensor([count], dtype=torch.int64).numpy().tobytes()
+                                      + values.numpy().tobytes() + scales.numpy().tobytes() + amax.numpy().tobytes())
+    subprocess.run([str(tmp_path / "check"), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    out = (tmp_path / "out.bin").read_bytes()
+    codes = torch.frombuffer(bytearray(out[:count]), dtype=torch.uint8)
+    got_scales = torch.frombuffer(bytearray(out[count:]), dtype=torch.float32)
+    want = to_e4m3(values, scales).view(torch.uint8)
+    wrong = (codes != want).nonzero().flatten()
+    assert len(wrong) == 0, [(float(values[i]), float(scales[i]), int(codes[i]), int(want[i])) for i in wrong[:10]]
+    want_scales = amax_scale(amax)
+    assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))

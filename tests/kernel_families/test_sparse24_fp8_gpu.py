@@ -4,8 +4,9 @@ batches, fp16 and bf16, per-token and static input scales, bias and activations;
 infinities of x propagate as in the reference's dense IEEE arithmetic; a CUDA graph replays it;
 a quantized 2:4 model compiled with ``formats=("2:4",)`` runs it and matches eager.
 
-Tolerance: both round x to e4m3 with the same code (sparsecc.ir.quant) and sum exact e4m3
-products in fp32, so they differ in the order of the sums, in the kernel's fused multiply-add of
+Tolerance: both round x to e4m3 to the same codes (the kernel's rounding pass is held to
+sparsecc.ir.quant bit for bit on the host, test_sparse24_fp8.py) and sum exact e4m3 products in
+fp32, so they differ in the order of the sums, in the kernel's fused multiply-add of
 the weight's scale and the bias, and in where the activation rounds; the bounds are those of the
 FP8 dense family (test_fp8_gpu.py): a wrong scale (one e4m3 step is 6-12%), a dropped bias or a
 misread metadata fails by orders of magnitude."""

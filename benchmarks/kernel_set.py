@@ -141,11 +141,17 @@ def sparse24_tuning_session_specs() -> list[KernelSpec]:
     return list(dict.fromkeys(specs))
 
 
+def fp8_24_session_specs() -> list[KernelSpec]:
+    """What the FP8 2:4 GEMM's tests and kernels_fp8.py run: the e4m3 compressor and its launches."""
+    return declared_test_kernels("kernel_families.test_sparse24_fp8_gpu")
+
+
 def named_session_specs(name: str | None) -> list[KernelSpec]:
     """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split",
-    "dense", "tune-24", or anything else for :func:`session_specs`."""
+    "dense", "tune-24", "fp8-24", or anything else for :func:`session_specs`."""
     return {"small-batch": small_batch_session_specs, "csr-split": csr_split_session_specs,
-            "dense": dense_session_specs, "tune-24": sparse24_tuning_session_specs}.get(name, session_specs)()
+            "dense": dense_session_specs, "tune-24": sparse24_tuning_session_specs,
+            "fp8-24": fp8_24_session_specs}.get(name, session_specs)()
 
 
 def main(argv=None) -> None:
@@ -153,7 +159,7 @@ def main(argv=None) -> None:
     from sparsecc.runtime.build import KernelCache, build
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cache", nargs="?", help="the kernel cache to build into (default: sparsecc's)")
-    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense, tune-24 "
+    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense, tune-24, fp8-24 "
                                                 "(default: session_specs)")
     args = parser.parse_args(argv)
     specs = named_session_specs(args.name)

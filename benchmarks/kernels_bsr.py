@@ -1,5 +1,5 @@
 """Block-sparse linear + bias + ReLU on the GPU, side by side in one process (run it as
-``benchmarks/kernels.py --bsr``, or directly):
+``benchmarks/kernels_gemm.py --bsr``, or directly):
 
 - ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` on the dense weight (the baseline),
 - ``torch-bsr-triton``: torch's Triton BSR kernel (``torch.sparse._triton_ops.bsr_dense_mm``,
@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ms", nargs="*", type=int, default=MS)
     parser.add_argument("--blocks", nargs="*", type=int, default=BLOCKS)
     parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
-    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels.py)")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels_gemm.py)")
     parser.add_argument("--no-triton", action="store_true", help="leave torch's Triton kernel out")
     parser.add_argument("--stem", default=None, help="results file name stem (default kernels_bsr)")
     args = parser.parse_args(argv)

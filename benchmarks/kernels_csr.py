@@ -1,5 +1,5 @@
 """Unstructured sparse linear + bias + ReLU on the GPU, side by side in one process (run it as
-``benchmarks/kernels.py --csr``, or directly):
+``benchmarks/kernels_gemm.py --csr``, or directly):
 
 - ``cublas``: torch ``F.linear`` (cuBLAS) then ``relu`` on the dense weight (the baseline),
 - ``torch-csr-cusparse``: ``torch.sparse.mm`` on the CSR weight (cuSPARSE SpMM, ``W @ x^T``)
@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--ms", nargs="*", type=int, default=MS)
     parser.add_argument("--densities", nargs="*", type=float, default=DENSITIES)
-    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels.py)")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxK, e.g. 4096x4096 (default: the six LLM/BERT shapes of kernels_gemm.py)")
     parser.add_argument("--no-cusparse", action="store_true", help="leave torch's cuSPARSE path out")
     parser.add_argument("--stem", default=None, help="results file name stem (default kernels_csr)")
     parser.add_argument("--no-tiled", action="store_true", help="leave sparsecc's tiled CSR kernels out")

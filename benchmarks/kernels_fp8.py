@@ -6,6 +6,10 @@
   the GPU: the input rounded to e4m3 per token, ``torch._scaled_mm`` with the bias, the ReLU,
 - ``torch-scaled-mm``: ``torch._scaled_mm`` alone on an input already in e4m3 (bias fused, no
   ReLU): the GEMM without the input's quantization, what a fused quantize kernel could approach,
+- ``sparsecc-fp8-24``: ``sparsecc::linear_fp8_kernel``, what a quantized site compiled with
+  ``formats=("2:4",)`` runs on Hopper: the FP8 2:4 CUTLASS GEMM (x rounded to e4m3 by its own
+  first kernel, the scales, bias and ReLU in its epilogue), on the same weight pruned 2:4 before
+  quantizing (its ``rel_err`` against the reference op on that weight),
 - ``sparsecc-fp8-reference``: ``sparsecc::linear_fp8``, the reference op (fp32 product).
 
 At M <= 64 every call reads its own copy of its weight (common.rotating), from memory as in a
@@ -29,7 +33,11 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import (environment, failed, plot_per_dtype, relative_error, rotating, time_eager_us,  # noqa: E402
                     time_graph_us, write)
 
+from sparsecc.ir.formats import NM_2_4  # noqa: E402
 from sparsecc.ir.quant import dequantize, quantize_input, quantize_weight  # noqa: E402
+from sparsecc.kernels.sparse24_fp8 import SPARSE24_FP8  # noqa: E402
+from sparsecc.pruning.masks import nm_mask  # noqa: E402
+from sparsecc.runtime.kernel_op import linear_fp8_kernel  # noqa: E402
 from sparsecc.runtime.torch_ops import linear_fp8, linear_fp8_scaled_mm, scaled_mm_refusal  # noqa: E402
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
@@ -58,19 +66,22 @@ def main(argv=None) -> dict:
             if why_not:
                 print(f"{name} {n}x{k}: {why_not}; skipped")
                 continue
-            weight, weight_scale = quantize_weight(torch.randn(n, k, generator=gen) / k ** 0.5)
+            full = torch.randn(n, k, generator=gen) / k ** 0.5
+            weight, weight_scale = quantize_weight(full)
             weight, weight_scale = weight.cuda(), weight_scale.cuda()
             dense = dequantize(weight, weight_scale).to(dtype)
             bias = (torch.randn(n, generator=gen) * 0.1).to(dtype).cuda()
+            pruned = quantize_weight(full * nm_mask(full, 2, 4))         # the same weight, pruned 2:4
             for m in args.ms:
-                result["rows"] += measure_point(weight, weight_scale, dense, bias, m, name, gen, not args.no_reference)
+                result["rows"] += measure_point(weight, weight_scale, dense, bias, m, name, gen, not args.no_reference,
+                                                tuple(t.cuda() for t in pruned))
         path = write(result)                 # after every dtype: a time limit loses nothing done
     plot(result, path.with_suffix(".png"))
     print("wrote", path)
     return result
 
 
-def measure_point(weight, weight_scale, dense, bias, m, name, gen, reference) -> list[dict]:
+def measure_point(weight, weight_scale, dense, bias, m, name, gen, reference, pruned) -> list[dict]:
     n, k = weight.shape
     dtype = dense.dtype
     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
@@ -86,14 +97,24 @@ def measure_point(weight, weight_scale, dense, bias, m, name, gen, reference) ->
                                                           bias=bias, out_dtype=dtype, use_fast_accum=False),
                             (weight, scale_b), None),
     }
+    try:
+        packed = SPARSE24_FP8.pack(pruned[0], NM_2_4, m, input_dtype=dtype)
+        impls["sparsecc-fp8-24"] = (
+            lambda values, metadata: linear_fp8_kernel(x, values, metadata, pruned[1], None, n, k, bias, "relu", False,
+                                                       False, packed.kernels),
+            (packed.values, packed.metadata), linear_fp8(x, *pruned, None, bias, "relu", False, False))
+    except Exception as error:  # noqa: BLE001 - the other rows still run; this one says why not
+        print(f"sparsecc-fp8-24 at {n}x{k}: {str(error).splitlines()[0]}")
     if reference:
         impls["sparsecc-fp8-reference"] = (lambda w, s: linear_fp8(x, w, s, None, bias, "relu", False, False),
                                            (weight, weight_scale), fp8_ref)
     point = []
     for impl, (call, tensors, ref) in impls.items():
-        row = {"impl": impl, "format": "dense" if impl == "cublas" else "fp8", "M": m, "N": n, "K": k,
-               "dtype": name, "epilogue": "bias" if impl == "torch-scaled-mm" else "bias+relu",
-               "density": 1.0, "block": None, "nbytes": tensors[0].numel() * tensors[0].element_size()}
+        sparse = impl == "sparsecc-fp8-24"
+        row = {"impl": impl, "format": "dense" if impl == "cublas" else ("fp8-2:4" if sparse else "fp8"), "M": m,
+               "N": n, "K": k, "dtype": name, "epilogue": "bias" if impl == "torch-scaled-mm" else "bias+relu",
+               "density": 0.5 if sparse else 1.0, "block": None,
+               "nbytes": sum(t.numel() * t.element_size() for t in tensors[:2 if sparse else 1])}
         try:
             fn = rotating(call, *tensors)[0] if m <= 64 else (lambda: call(*tensors))
             row["rel_err"] = relative_error(fn(), ref) if ref is not None else None
@@ -111,7 +132,7 @@ def plot(result: dict, path) -> None:
     def draw(ax, dtype):
         rows = [r for r in result["rows"] if r["dtype"] == dtype and r.get("us")]
         cublas = {(r["M"], r["N"], r["K"]): r["us"] for r in rows if r["impl"] == "cublas"}
-        for impl, style in (("sparsecc-fp8", "-o"), ("torch-scaled-mm", ":x")):
+        for impl, style in (("sparsecc-fp8", "-o"), ("torch-scaled-mm", ":x"), ("sparsecc-fp8-24", "-s")):
             speedup = {(r["M"], r["N"], r["K"]): cublas[(r["M"], r["N"], r["K"])] / r["us"]
                        for r in rows if r["impl"] == impl and (r["M"], r["N"], r["K"]) in cublas}
             ms = sorted({p[0] for p in speedup})

@@ -35,6 +35,11 @@ kernels' rows (the prefill). Within a model and batch the dense model is
 compiled once: each pattern's pruned weights are copied into it in place (CUDA graphs read them
 where they are), so only sparsecc's graphs are compiled per pattern.
 
+With ``--quantize fp8`` both sides are the pruned model quantized (``sparsecc.quantize``, the same
+layers left out) and compiled by sparsecc: ``dense`` with ``formats=("dense",)`` (its FP8 sites on
+``torch._scaled_mm``), ``sparsecc`` with ``formats=("2:4",)`` (the FP8 2:4 GEMM on Hopper); rows
+carry ``quantize``. Each pattern then compiles its own dense model.
+
 sparsecc's kernels are tuned on each model's shapes as ``sparsecc.compile`` tunes them on a user's
 machine, into a table of the run's own (common.private_tuning: the per-machine table is neither read
 nor written); ``--fixed-dispatch`` runs the shipped table's launches instead, tuning nothing
@@ -46,6 +51,7 @@ also compiles them); ``greedy_loop`` adds its own CUDA graphs and timed calls.
     python benchmarks/generate.py                                   # the default set
     python benchmarks/generate.py --models llama-1b --patterns unstructured@0.5 --batches 8 --modes graphs eager
     python benchmarks/generate.py --build-only                      # compile every case's kernels, time nothing
+    python benchmarks/generate.py --quantize fp8 --patterns 2:4 --batches 1 32 --prompt 2048   # FP8 2:4 / FP8 dense
     python benchmarks/generate.py --device cpu --tiny --modes eager --force-formats   # a smoke run, tiny configs
     python benchmarks/generate.py --plot results/generate-<gpu>-<date>.json
 """
@@ -153,6 +159,8 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
     torch._dynamo.reset()
     dense = build(name, tiny=args.tiny, device=device, dtype=dtype)
     base = copy.deepcopy(dense)                           # the unpruned weights, never compiled
+    if args.quantize:
+        return [row for pattern in patterns for row in run_quantized(name, batch, pattern, mode, args, base, device)]
     prompts = torch.randint(1, dense.config.vocab_size, (batch, args.prompt), device=device,
                             generator=torch.Generator(device).manual_seed(batch))
     cache = MODES[mode]
@@ -216,6 +224,62 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
     return rows
 
 
+def run_quantized(name: str, batch: int, pattern: str, mode: str, args, base, device) -> list[dict]:
+    """One pattern of ``--quantize``: the pruned, quantized model compiled dense and 2:4 (see the
+    module docstring), timed and compared as :func:`run_group` does."""
+    started = time.perf_counter()
+    pruned = copy.deepcopy(base)
+    report = sparsecc.prune(pruned, pattern, exclude=EXCLUDE)
+    sparsecc.quantize(pruned, args.quantize, exclude=EXCLUDE)
+    prompts = torch.randint(1, pruned.config.vocab_size, (batch, args.prompt), device=device,
+                            generator=torch.Generator(device).manual_seed(batch))
+    models = {"dense": sparsecc.compile(copy.deepcopy(pruned), prompts, formats=("dense",)),
+              "sparsecc": sparsecc.compile(pruned, prompts, formats=(format_of(pattern),))}
+    plan = models["sparsecc"].sparsecc_plan
+    if args.show_plan:
+        print(plan.table(), flush=True)
+    if args.build_only:
+        print(f"{name} {pattern} {args.quantize} batch {batch}: compiled ({time.perf_counter() - started:.0f} s)")
+        return []
+    caches = {}
+    if mode == "graphs":
+        for impl, model in models.items():
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+            model.generation_config = copy.deepcopy(model.generation_config)
+            model.generation_config.disable_compile = True
+            caches[impl] = static_cache(model, args.prompt + args.new_tokens)
+    timed = {loop: time_loop(loop, models, prompts, caches or MODES[mode], args, mode) for loop in args.loops}
+    outputs = {impl: greedy(model, prompts, new_tokens=args.new_tokens, cache=caches.get(impl, MODES[mode]),
+                            output_logits=True, return_dict_in_generate=True) for impl, model in models.items()}
+    quality = compare_logits(outputs["dense"], outputs["sparsecc"])
+    choices = {}
+    for site in plan:
+        choices[site.choice] = choices.get(site.choice, 0) + 1
+    rows = []
+    for loop, impl in itertools.product(args.loops, models):
+        timing = timed[loop][impl]
+        sparse = impl == "sparsecc"
+        rows.append({"impl": impl, "model": name, "format": f"{args.quantize}-{pattern}" if sparse else args.quantize,
+                     "pattern": pattern, "quantize": args.quantize, "mode": mode, "loop": loop, "batch": batch,
+                     "prompt": args.prompt, "new_tokens": args.new_tokens, "M": batch * args.prompt,
+                     "dtype": str(next(base.parameters()).dtype).replace("torch.", ""),
+                     "density": round(report.density, 4), "block": None, "ttft_ms": round(timing.ttft_ms, 3),
+                     "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
+                     "rel_err": quality["rel_err"] if sparse else None,
+                     "steps_compared": quality["steps_compared"] if sparse else None,
+                     "same_tokens": quality["same_tokens"] if sparse else None, "choices": choices if sparse else None,
+                     "weight_bytes": plan.bytes_after if sparse else plan.bytes_before})
+        if sparse:
+            dense_row = rows[-2]
+            print(f"{name:9s} {pattern:16s} {args.quantize} b{batch:<3d} {mode:6s} {loop:11s} first token "
+                  f"{dense_row['ttft_ms']:8.2f} -> {rows[-1]['ttft_ms']:8.2f} ms   decode "
+                  f"{dense_row['tokens_per_s'] or 0:9.1f} -> {rows[-1]['tokens_per_s'] or 0:9.1f} tokens/s   rel_err "
+                  f"{quality['rel_err']:.2e} ({time.perf_counter() - started:.1f} s)", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None)
@@ -236,6 +300,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--show-plan", action="store_true", help="print each sparsecc model's plan (its reasons)")
     parser.add_argument("--fixed-dispatch", action="store_true",
                         help="run the shipped tuning table's launches, tuning nothing (default: tune as compile does)")
+    parser.add_argument("--quantize", choices=["fp8"], default=None,
+                        help="quantize both sides (sparsecc.quantize) and compile them dense and n:m (see above)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)

@@ -64,3 +64,16 @@ def test_a_tiny_run_on_the_cpu(tmp_path, monkeypatch):
     [written] = tmp_path.glob("generate-*.json")
     assert json.loads(written.read_text())["rows"] == json.loads(json.dumps(rows))
     assert written.with_suffix(".png").is_file()
+
+
+def test_a_tiny_quantized_run_on_the_cpu(tmp_path, monkeypatch):
+    """--quantize fp8: both sides the pruned model quantized, the dense one compiled dense (FP8 sites
+    on their reference op on the CPU) and sparsecc's with the FP8 sites packed 2:4; the same tokens."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    result = bench.main(["--device", "cpu", "--tiny", "--modes", "eager", "--quantize", "fp8", "--models", "llama-1b",
+                         "--batches", "2", "--patterns", "2:4", "--prompt", "12", "--new-tokens", "5", "--repeats", "1",
+                         "--loops", "greedy_loop"])
+    dense, sparse = result["rows"]
+    assert (dense["format"], sparse["format"]) == ("fp8", "fp8-2:4") and dense["quantize"] == sparse["quantize"] == "fp8"
+    assert sparse["choices"]["2:4"] > 0 and sparse["same_tokens"] is True and sparse["rel_err"] <= TOLERANCE

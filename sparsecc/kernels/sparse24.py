@@ -143,15 +143,10 @@ class Sparse24Gemm(KernelFamily):
         return [KernelSpec(Family.SM90_COMPRESS24, dtype_name(dtype))] + [
             launch.spec for _, launch in self.dispatch(dtype, shape)]
 
-    def tile(self, dtype: str, shape: tuple[int, int], m: int) -> tuple[int, int]:
-        """``(rows of W, rows of x)`` per CTA of the launch that runs M rows: what the cost model
-        pads the work to and counts waves of CTAs over the SMs with."""
-        spec = launch_for(self.dispatch(getattr(torch, dtype), shape), m).spec
-        return spec.tile[0], spec.tile[1]
-
     def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
-        """The launch that runs M rows, its K slices requested as the workload's mode (0: as many
-        as fill the SMs; None: K is not sliced)."""
+        """The launch that runs M rows: its ``(rows of W, rows of x)`` per CTA as the workload's tile
+        (what the cost model pads the work to and counts waves of CTAs over the SMs with), and its K
+        slices requested as its mode (0: as many as fill the SMs; None: K is not sliced)."""
         n, k = stats.shape
         launch = launch_for(self.dispatch(getattr(torch, stats.dtype), stats.shape), m)
         sliced = launch.spec.scheduler is Scheduler.SLICED

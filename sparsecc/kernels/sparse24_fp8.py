@@ -10,20 +10,18 @@ weight's per-channel scale in its epilogue, adds the bias and applies the activa
 reference op's sums in another order. A 2:4 e4m3 weight is 5/16 of
 the fp16 dense weight's bytes.
 
-Its launches are not tuned yet (one per batch bucket, :data:`DEFAULTS`).
+Its launches are not tuned yet (one per batch bucket, :data:`DEFAULTS`), and the cost model does not
+price it: a quantized site runs 2:4 where its plan's ``formats`` asks for it.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ..codegen.spec import E4M3 as E4M3_NAME
 from ..codegen.spec import Family, KernelSpec
-from ..ir.analysis import WeightStats
 from ..ir.formats import NM_2_4, FormatSpec
 from ..ir.quant import FP8_DTYPES
-from ..ir.workload import Workload, dtype_name
+from ..ir.workload import dtype_name
 from ..runtime.kernel_op import ensure, linear_fp8_kernel
 from . import nonfinite_guard
 from .base import Buckets, KernelFamily, KernelWeight, Launch, check_cuda_weight, nonfinite_flags
@@ -69,7 +67,6 @@ class Sparse24Fp8Gemm(KernelFamily):
     kind = "nm"
     templates = (Family.SM90_SPARSE24_FP8,)        # and the 2:4 GEMM's compressor, for e4m3
     unit = "sparsecc's sm90 FP8 2:4 CUTLASS kernel"
-    impls = ("sparse24-fp8-gemm",)
     buckets = Buckets((1, 128, 2048), 8192)
 
     def refuses(self, spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
@@ -108,24 +105,6 @@ class Sparse24Fp8Gemm(KernelFamily):
     def kernel_specs(self, dtype, shape, spec, density, m):
         return [KernelSpec(Family.SM90_COMPRESS24, E4M3_NAME)] + list(dict.fromkeys(
             launch.spec for input_dtype in OUTPUT_DTYPES for _, launch in self.dispatch(input_dtype)))
-
-    def nbytes(self, stats: WeightStats, element: int) -> int | None:
-        """Half the values, one byte each, and 4 bits of metadata per group of four."""
-        n, k = stats.shape
-        return n * k // 2 + n * k // 8
-
-    def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
-        n, k = stats.shape
-        tile = DEFAULTS[self.buckets.bound_for(m)]
-        return [Workload(self.name, stats.dtype, m, n, k, round(stats.density, 6), tile=tile[:2])]
-
-    def work(self, w, sms):
-        """Half the math of a dense e4m3 GEMM (the tiles padded, in waves of CTAs), the weight in
-        5/8 of a byte per element, x once in e4m3 and y in 16 bits."""
-        tile_n, tile_m = w.tile or (128, 64)
-        tiles = math.ceil(w.n / tile_n) * math.ceil(w.m / tile_m)
-        waves = math.ceil(tiles / sms) * sms / tiles
-        return tiles * tile_n * tile_m * w.k * waves, w.n * w.k * 5 / 8 + w.m * w.k + 2 * w.m * w.n
 
 
 SPARSE24_FP8 = Sparse24Fp8Gemm()

@@ -353,6 +353,8 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
     for site in sites:
         choice = FormatSpec.parse(plan[site.name].choice)
         if choice.kind == "dense":
+            if site.quantized:          # its inputs' rounding: one kernel where it runs
+                registry.prepare_quantized_dense(tuple(site.weight.shape), site.weight.device, site.input_dtype)
             decisions[site.name] = None
             continue
         key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))

@@ -40,6 +40,7 @@ class Family(str, enum.Enum):
     CSR_WGMMA_SM90 = "csr_wgmma_sm90"
     RESIDUAL_SM90 = "residual_sm90"
     SPMM_SM90 = "spmm_sm90"
+    QUANTIZE_E4M3 = "quantize_e4m3"
 
     @property
     def arch(self) -> str:
@@ -90,13 +91,24 @@ class Family(str, enum.Enum):
         """A kernel written with its own launch (gemv, BSR, CSR, per entry): no CUTLASS
         schedule, scheduler, cluster or operand-layout options (the op transposes x and y where
         a site needs it)."""
-        return self.gemv or self.bsr or self.csr or self.per_entry
+        return self.gemv or self.bsr or self.csr or self.per_entry or self.quantizer
 
     @property
     def compressor(self) -> bool:
         """A kernel that packs weights (``_sizes``/``_compress`` entry points) rather than a
         product (``_run``/``_workspace_size``)."""
         return self is Family.SM90_COMPRESS24
+
+    @property
+    def quantizer(self) -> bool:
+        """A kernel that rounds inputs to e4m3 (a ``_quantize`` entry point) for an FP8 product that
+        is not sparsecc's own (torch._scaled_mm's)."""
+        return self is Family.QUANTIZE_E4M3
+
+    @property
+    def product(self) -> bool:
+        """A kernel that computes a site's product (``_run``/``_workspace_size``)."""
+        return not (self.compressor or self.quantizer)
 
     @property
     def nonfinite_pass(self) -> bool:
@@ -184,6 +196,8 @@ TILES[Family.CSR_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for
 #: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
 #: threads, K up to 12288 staged (192 KB of shared memory)
 TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
+#: the e4m3 rounding of x: a CTA of 256 threads a row, eight inputs a load
+TILES[Family.QUANTIZE_E4M3] = {(256, 8, 1)}
 #: the residual pass's mode 0 (sparsecc.csr_split.BY_ROWS) stages x from this many rows of x,
 #: below it gathers (templates/residual_sm90.cu.j2; the cost model prices the mode it picks)
 RESIDUAL_STAGED_MIN_ROWS = 256
@@ -196,7 +210,7 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_SPARSE24_FP8:
                 Family.BSR_MMA_SM90: (64, 64, 16),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
                 Family.RESIDUAL_SM90: (8, 256, 12288),
-                Family.SPMM_SM90: (8, 256, 12288)}
+                Family.SPMM_SM90: (8, 256, 12288), Family.QUANTIZE_E4M3: (256, 8, 1)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
@@ -302,7 +316,7 @@ class KernelSpec:
     @property
     def symbol(self) -> str:
         """A C identifier that spells the whole configuration out."""
-        if self.family is Family.SM90_COMPRESS24:
+        if self.family in (Family.SM90_COMPRESS24, Family.QUANTIZE_E4M3):
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}"
         if self.family.bsr:
             h, w, m = self.tile

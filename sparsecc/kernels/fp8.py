@@ -9,7 +9,10 @@ nothing faster takes it: exact, not fast.
   needs a GPU of sm_89 or later, K and N multiples of 16 and an fp16 or bf16 input
   (:func:`~sparsecc.runtime.torch_ops.scaled_mm_refusal`); its op,
   ``sparsecc::linear_fp8_scaled_mm``, is the reference op wherever that is not so. Nothing is
-  generated, packed or tuned: the weight stays the layer's e4m3 tensor.
+  packed or tuned: the weight stays the layer's e4m3 tensor. Its one template rounds the input to
+  e4m3 in one pass (templates/quantize_e4m3.cu.j2, loaded by
+  :func:`~sparsecc.kernels.registry.prepare_quantized_dense` where sparsecc's kernels run), the
+  same codes as torch's ops, which round it elsewhere.
 - FP8 2:4 (:mod:`sparsecc.kernels.sparse24_fp8`): the CUTLASS sm_90a sparse GEMM on e4m3, both
   scales applied in its epilogue's visitor tree before the bias, where a plan asks for 2:4
   (``formats=("2:4",)``) on a Hopper GPU; the input is rounded to e4m3 by torch ops before it.
@@ -22,18 +25,20 @@ import torch
 
 from ..ir.formats import FormatSpec
 from ..ir.quant import FP8_DTYPES
-from ..runtime.torch_ops import linear_fp8_scaled_mm, scaled_mm_refusal
-from .base import KernelFamily
+from ..codegen.spec import Family
+from ..runtime.torch_ops import linear_fp8_scaled_mm, quantizer_spec, scaled_mm_refusal
+from .base import KERNEL_DTYPES, KernelFamily
 from .sparse24_fp8 import SPARSE24_FP8
 
 
 class Fp8ScaledMm(KernelFamily):
-    """A dense e4m3 weight's product on ``torch._scaled_mm``: no template, no packing (the
-    weight is read as the layer stores it), no tuning (cuBLASLt chooses its own kernel)."""
+    """A dense e4m3 weight's product on ``torch._scaled_mm``: no packing (the weight is read as the
+    layer stores it), no tuning (cuBLASLt chooses its own kernel); the input's rounding to e4m3 on
+    sparsecc's kernel where it is loaded."""
 
     name = "fp8-scaled-mm"
     kind = "dense"
-    templates = ()
+    templates = (Family.QUANTIZE_E4M3,)
     unit = "torch._scaled_mm (cuBLASLt, per-token and per-channel scales)"
     op = linear_fp8_scaled_mm
 
@@ -48,7 +53,7 @@ class Fp8ScaledMm(KernelFamily):
         return scaled_mm_refusal(device, shape, input_dtype)
 
     def kernel_specs(self, dtype, shape, spec, density, m) -> list:
-        return []                       # torch's kernel: nothing to build
+        return [quantizer_spec(input_dtype) for input_dtype in KERNEL_DTYPES]     # the input's rounding
 
 
 SCALED_MM = Fp8ScaledMm()

@@ -13,12 +13,14 @@ from __future__ import annotations
 import torch
 
 from ..codegen.spec import KernelSpec
-from ..errors import InputError
+from ..errors import InputError, KernelBuildError
 from ..ir.formats import DENSE, NM_2_4, FormatSpec, PackedWeight
 from ..ir.quant import E4M3, FP8_DTYPES
+from ..runtime.kernel_op import ensure
 from ..runtime.timing import packed_runner, time_all_us
+from ..runtime.torch_ops import quantizer_spec
 from . import fp8
-from .base import KernelFamily
+from .base import KERNEL_DTYPES, KernelFamily, kernels_unavailable
 from .bsr import Bsr
 from .csr import CsrTiled
 from .csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY
@@ -83,6 +85,24 @@ def quantized_dense(shape: tuple[int, int],
         if reason is None:
             return family, None
     return None, reason
+
+
+def prepare_quantized_dense(shape: tuple[int, int], device: torch.device | str,
+                            input_dtype: torch.dtype | None) -> str | None:
+    """Load the kernel that rounds the inputs of a quantized site staying dense (on
+    :data:`FP8_FAMILIES`) to e4m3 in one pass, where sparsecc's kernels run on ``device`` and the
+    site's inputs are fp16 or bf16; elsewhere, or if it does not build, torch's ops round them (the
+    same codes). Returns why it is not loaded, or None."""
+    family, why = quantized_dense(shape, device)
+    why = why or kernels_unavailable(device)
+    if why is None and input_dtype not in KERNEL_DTYPES:
+        why = f"the rounding kernel takes float16/bfloat16 inputs, not {input_dtype}"
+    if why is None:
+        try:
+            ensure([quantizer_spec(input_dtype)], progress=False)
+        except KernelBuildError as error:
+            why = str(error).splitlines()[0]
+    return why
 
 
 def packed_nbytes(spec: FormatSpec, stats, element: int) -> int | None:

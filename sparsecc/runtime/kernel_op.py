@@ -85,7 +85,7 @@ def ensure(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
         added = loader.load(specs, cache=cache, progress=progress)
     if added and torch.cuda.is_available() and cuda_implementation() == "c++":
         for kernel in added:
-            if not kernel.spec.family.compressor and not kernel.spec.family.fp8:   # linear_kernel's only
+            if kernel.spec.family.product and not kernel.spec.family.fp8:   # linear_kernel's only
                 launcher.add_kernel(kernel.spec.symbol, kernel.library)
     return {spec: loader.get(spec.symbol) for spec in specs}
 

@@ -43,6 +43,10 @@ class Kernel:
             self._compress = getattr(self.library, f"{symbol}_compress")
             self._compress.argtypes = [_VOID, _VOID, _VOID, _INT, _INT, _VOID]
             self._compress.restype = _INT
+        elif spec.family.quantizer:
+            self._quantize = getattr(self.library, f"{symbol}_quantize")
+            self._quantize.argtypes = [_VOID, _VOID, _VOID, _VOID, _INT, _INT, _VOID]
+            self._quantize.restype = _INT
         else:
             self._run = getattr(self.library, f"{symbol}_run")
             self._run.argtypes = [_VOID, _VOID, _VOID, _VOID, _VOID, _INT, _INT, _INT, _INT, _INT, _INT, _VOID, _VOID]
@@ -88,6 +92,11 @@ class Kernel:
         pass always reads all of x."""
         self._check(self._propagate(e, b, d, m, n, k, stream))
 
+    def quantize(self, x: int, static_scale: int, x_q: int, scales: int, n: int, k: int, stream: int) -> None:
+        """x's ``n`` rows of ``k`` rounded to e4m3 into ``x_q``, their fp32 scales into ``scales``
+        (``static_scale``: a pointer to one scale for every row, 0: per token)."""
+        self._check(self._quantize(x, static_scale or None, x_q, scales, n, k, stream))
+
     def sizes(self, m: int, k: int) -> tuple[int, int]:
         """Compressed value elements and metadata bytes of an m x k 2:4 weight."""
         values, metadata = ctypes.c_longlong(), ctypes.c_longlong()
@@ -128,6 +137,11 @@ def load(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
     for spec, path in (build(to_build, cache=cache, progress=progress) if to_build else {}).items():
         _REGISTRY[spec.symbol] = Kernel(spec, path)
     return [_REGISTRY[s.symbol] for s in missing]
+
+
+def find(symbol: str) -> Kernel | None:
+    """The loaded kernel named ``symbol``, or None if this process has not loaded it."""
+    return _REGISTRY.get(symbol)
 
 
 def get(symbol: str) -> Kernel:

@@ -53,9 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..codegen.spec import Family, KernelSpec
 from ..errors import InputError
 from ..ir.epilogue import Activation, apply_activation
-from ..ir.quant import fp8_product, quantize_input
+from ..ir.quant import E4M3, fp8_product, quantize_input
+from . import loader
 
 _LIB = torch.library.Library("sparsecc", "FRAGMENT")
 # the BSR and CSR tensors below are this module's own, short-lived: torch's beta notice about them
@@ -387,15 +389,41 @@ def scaled_mm_refusal(device: torch.device | str, shape: tuple[int, int],
     return None
 
 
+def quantizer_spec(dtype: torch.dtype) -> KernelSpec:
+    """The kernel that rounds inputs of ``dtype`` (float16 or bfloat16) to e4m3 in one pass."""
+    return KernelSpec(Family.QUANTIZE_E4M3, str(dtype).replace("torch.", ""))
+
+
+def quantize_rows(x2d: Tensor, input_scale: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`~sparsecc.ir.quant.quantize_input`'s ``(x_q, s_x)``, by sparsecc's rounding kernel in
+    one pass over ``x2d`` where this process has loaded it for its dtype (the same codes and scales:
+    templates/common.j2's e4m3 rounding), else by torch's ops."""
+    kernel = None
+    if x2d.is_cuda and x2d.dtype in _LOW_PRECISION and x2d.shape[1] % 8 == 0:
+        kernel = loader.find(quantizer_spec(x2d.dtype).symbol)
+    if kernel is None or not x2d.numel():
+        return quantize_input(x2d, input_scale)
+    rows = x2d.contiguous()
+    if rows.data_ptr() % 16:                      # the kernel loads 16 bytes at a time
+        rows = rows.clone()
+    n, k = rows.shape
+    x_q = torch.empty(n, k, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(n, 1, dtype=torch.float32, device=rows.device)
+    static = input_scale.to(torch.float32).reshape(()).contiguous() if input_scale is not None else None
+    kernel.quantize(rows.data_ptr(), static.data_ptr() if static is not None else 0, x_q.data_ptr(),
+                    scales.data_ptr(), n, k, torch.cuda.current_stream(rows.device).cuda_stream)
+    return x_q.view(E4M3), scales
+
+
 def scaled_mm_product(x2d: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Optional[Tensor],
                       bias: Optional[Tensor]) -> Tensor:
     """:func:`~sparsecc.ir.quant.fp8_product` plus ``bias`` (``[N]`` in ``x2d``'s dtype, or None)
     on ``torch._scaled_mm``, in ``x2d``'s dtype, where :func:`scaled_mm_refusal` allows. The input
-    is rounded to e4m3 by the same :func:`~sparsecc.ir.quant.quantize_input`; the exact e4m3
+    is rounded to e4m3 as :func:`~sparsecc.ir.quant.quantize_input` does (:func:`quantize_rows`); the exact e4m3
     products are summed in fp32 (``use_fast_accum=False``), scaled by ``s_x [M, 1]`` and
     ``s_w [1, N]``, the bias added and the sum rounded once to the output dtype, as the
     reference op rounds it: only the order of the sums differs."""
-    x_q, x_scale = quantize_input(x2d, input_scale)
+    x_q, x_scale = quantize_rows(x2d, input_scale)
     rows = x2d.shape[0]
     scale_a = x_scale.to(torch.float32).reshape(-1, 1).expand(rows, 1).contiguous()    # per token, or static
     scale_b = weight_scale.to(torch.float32).reshape(1, -1).contiguous()

@@ -214,3 +214,15 @@ def test_splice_routes_a_dense_fp8_site_to_scaled_mm_where_it_runs(gpu, scaled_m
     sparsecc.quantize(float32, "fp8")
     compiled = sparsecc.compile(float32, torch.randn(8, 64))
     assert [n.target for n in compiled.graph.nodes].count(linear_fp8) == 2
+
+
+def test_the_rounding_kernel_is_loaded_only_where_sparsecc_kernels_run():
+    """A dense FP8 site's input is rounded by torch's ops wherever the rounding kernel is not
+    loaded: on the CPU, preparing the site says why and loads nothing, and quantize_rows is
+    quantize_input exactly."""
+    why = registry.prepare_quantized_dense((64, 64), "cpu", torch.float16)
+    assert why is not None and "CUDA GPU" in why
+    x = torch.randn(5, 64, dtype=torch.float16)
+    x[2, 3] = float("nan")
+    got, want = torch_ops.quantize_rows(x, None), quantize_input(x, None)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import sparsecc
-from sparsecc.ir.quant import quantize_weight
-from sparsecc.runtime.torch_ops import linear_fp8, linear_fp8_scaled_mm, scaled_mm_refusal
+from sparsecc.ir.quant import quantize_input, quantize_weight
+from sparsecc.kernels import registry
+from sparsecc.kernels.base import kernels_unavailable
+from sparsecc.runtime.torch_ops import linear_fp8, linear_fp8_scaled_mm, quantize_rows, scaled_mm_refusal
 
 from conftest import rel_error, replays_like_eager
 from models import mlp
@@ -144,3 +146,24 @@ def test_a_quantized_model_compiled_on_the_gpu_runs_it():
         # two layers: the second rounds the first's output to e4m3 again, where one rounding
         # of fp16/bf16 may move a value across an e4m3 tie; the bound allows for a few such
         assert rel_error(compiled(x), model(x)) <= 2 * BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_rounding_kernel_gives_torchs_codes_and_scales(dtype, static):
+    """sparsecc's one-pass rounding of x to e4m3 (templates/quantize_e4m3.cu.j2), loaded for a dense
+    FP8 site, gives sparsecc.ir.quant.quantize_input's codes and scales bit for bit: random rows over
+    many magnitudes, a row of zeros, a row with a NaN and one with an infinity."""
+    if kernels_unavailable("cuda"):
+        pytest.skip(kernels_unavailable("cuda"))
+    assert registry.prepare_quantized_dense((4096, 4096), "cuda", dtype) is None
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 4096, generator=generator) * 10.0 ** torch.randint(-4, 3, (37, 1), generator=generator)
+    x = x.to(dtype).cuda()
+    x[3] = 0
+    x[5, 17], x[8, 4000] = float("nan"), float("inf")
+    input_scale = torch.tensor(0.01, device="cuda") if static else None
+    got, want = quantize_rows(x, input_scale), quantize_input(x, input_scale)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].reshape(-1).expand(37) if static else got[1],
+                       want[1].reshape(-1).expand(37) if static else want[1])

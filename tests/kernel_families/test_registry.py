@@ -19,7 +19,7 @@ def test_every_family_implements_the_interface_and_every_template_has_a_home():
     """Each family names its format, templates, unit and implementations; every template but
     none is rendered by exactly one family; every priced implementation has one family."""
     homes = {}
-    for family in registry.FAMILIES + registry.FP8_SPARSE_FAMILIES:
+    for family in registry.FAMILIES + registry.FP8_FAMILIES + registry.FP8_SPARSE_FAMILIES:
         assert isinstance(family, KernelFamily) and family.kind in ("dense", "nm", "bsr", "csr")
         assert family.name and family.unit and family.templates
         for template in family.templates:

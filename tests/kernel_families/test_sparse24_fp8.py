@@ -73,14 +73,24 @@ def test_splice_calls_the_fp8_kernel_op_with_the_sites_scales():
     assert rest == [16, 64, None, "relu", False, False, "0=sparsecc_x:1:1:0"]
 
 
-#: appended to the rendered FP8 kernel and run on the host (no GPU): whether its can_implement takes
-#: an m x k weight (with 40 rows of x), for the shapes in argv
-CAN_IMPLEMENT = r"""
+#: appended to the rendered FP8 kernel and run on the host (no GPU): where make_arguments puts the
+#: epilogue's arguments in CUTLASS's visitor tree (x's scales in the row broadcast, the weight's and
+#: the bias in the two column broadcasts, the guard's flag in the probe, the activation code), then
+#: whether its can_implement takes an m x k weight (with 40 rows of x), for the shapes in argv
+HOST_CHECKS = r"""
+#include <cstdlib>
 int main(int argc, char** argv) {
+  float scale_w[8], scale_x[8];
+  ElementBias bias[8];
+  int flag = 0;
+  auto args = make_arguments(nullptr, nullptr, nullptr, bias, nullptr, 256, 40, 4096, 3, &flag, 1, 1, scale_w, scale_x);
+  auto const& tree = args.epilogue.thread;
+  std::printf("tree %d %d %d %d %d\n", tree.op_0.op_0.op_0.op_1.ptr_row == scale_x, tree.op_0.op_0.op_1.ptr_col == scale_w,
+              tree.op_0.op_0.op_2.ptr_col == bias, tree.op_0.op_1.flag == &flag, tree.op_1.kind == 3);
   for (int i = 1; i + 1 < argc; i += 2) {
     const int m = std::atoi(argv[i]), k = std::atoi(argv[i + 1]);
-    auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, 40, k, 0, nullptr, 1, 1);
-    std::printf("%d %d %d\n", m, k, Gemm::can_implement(args) == cutlass::Status::kSuccess);
+    auto shape = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, 40, k, 0, nullptr, 1, 1);
+    std::printf("%d %d %d\n", m, k, Gemm::can_implement(shape) == cutlass::Status::kSuccess);
   }
   return 0;
 }
@@ -90,10 +100,12 @@ int main(int argc, char** argv) {
 @requires_nvcc
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_the_kernel_takes_the_shapes_the_family_takes(tmp_path):
-    """The rendered FP8 kernel's own can_implement, on the host, agrees with the family's rule."""
+def test_the_kernels_epilogue_arguments_and_the_shapes_it_takes(tmp_path):
+    """The rendered FP8 kernel on the host: each scale, the bias, the flag and the activation reach
+    their node of the visitor tree (x's scales and the weight's have the same type, so a swap would
+    compile), and its own can_implement agrees with the family's rule on which shapes it takes."""
     source = tmp_path / "check.cu"
-    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + "#include <cstdlib>\n" + CAN_IMPLEMENT)
+    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + HOST_CHECKS)
     tools = toolchain()
     subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
                     "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
@@ -102,7 +114,9 @@ def test_the_kernel_takes_the_shapes_the_family_takes(tmp_path):
     shapes = [(4096, 4096), (4096, 4128), (4096, 4112), (4096, 4104), (264, 1056), (264, 1040)]
     result = subprocess.run([str(tmp_path / "check"), *(str(v) for shape in shapes for v in shape)],
                             capture_output=True, text=True, check=True)
-    taken = {(int(m), int(k)): bool(int(ok)) for m, k, ok in (line.split() for line in result.stdout.splitlines())}
+    tree, *lines = result.stdout.splitlines()
+    assert tree == "tree 1 1 1 1 1"
+    taken = {(int(m), int(k)): bool(int(ok)) for m, k, ok in (line.split() for line in lines)}
     assert taken == {shape: SPARSE24_FP8.refuses(NM_2_4, shape, E4M3) is None for shape in shapes}
 
 

@@ -59,6 +59,16 @@ class CutlassSparse24Fp8Weight(KernelWeight):
         metadata = nonfinite_guard.append_guard(metadata, ~(dense.view(torch.uint8) != 0).any(dim=0))
         return cls(values, metadata, n, k)
 
+    def to_dense(self) -> torch.Tensor:
+        """Unpack exactly by running the kernel on an identity with scales of one: x's rows round to
+        e4m3 1.0, each sum is one stored e4m3 value, which fp16 holds exactly (needs :attr:`kernels`)."""
+        device = self.values.device
+        eye = torch.eye(self.in_features, dtype=torch.float16, device=device)
+        ones = torch.ones(self.out_features, dtype=torch.float32, device=device)
+        y = linear_fp8_kernel(eye, self.values, self.metadata, ones, torch.ones((), device=device),
+                              self.out_features, self.in_features, None, "none", False, False, self.kernels)
+        return y.t().contiguous().to(self.values.dtype)
+
 
 class Sparse24Fp8Gemm(KernelFamily):
     """Quantized 2:4 weights (e4m3) on the FP8 CUTLASS GEMM, for fp16 and bf16 inputs."""

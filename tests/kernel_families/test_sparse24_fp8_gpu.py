@@ -50,6 +50,13 @@ def run(packed, x, weight_scale, input_scale, bias, activation):
                              packed.in_features, bias, activation, False, False, packed.kernels)
 
 
+@pytest.mark.parametrize("n, k", [(264, 1056), (1024, 4096)])
+def test_compression_round_trips_exactly(n, k):
+    weight, _, _ = site(n, k, torch.float16, seed=2)
+    packed = SPARSE24_FP8.pack(weight, NM_2_4, 16, input_dtype=torch.float16)
+    assert torch.equal(packed.to_dense().view(torch.uint8), weight.view(torch.uint8))
+
+
 @pytest.mark.parametrize("n, k, m", SHAPES)
 @pytest.mark.parametrize("static", [False, True])
 def test_against_the_reference_op(n, k, m, static):

@@ -271,5 +271,10 @@ class KernelFamily:
         """A random weight of this family's format that tuning times launches on."""
         raise NotImplementedError
 
+    def reference(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """What a launch must compute for ``x`` and a tuning weight (without bias or activation),
+        in fp32: the product, which tuning holds each launch's result to."""
+        return torch.nn.functional.linear(x.float(), weight.float())
+
     def __repr__(self) -> str:
         return f"<kernel family {self.name}>"

@@ -146,7 +146,7 @@ def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: t
     if reason:
         raise InputError(reason)
     if weight.dtype in FP8_DTYPES:
-        return SPARSE24_FP8.pack(weight, spec, m, input_dtype=input_dtype, progress=progress)
+        return SPARSE24_FP8.pack(weight, spec, m, input_dtype=input_dtype, tune_range=tune_range, progress=progress)
     if spec == NM_2_4:
         return sparse24_by_rows.pack(weight, m, tune_range=tune_range, progress=progress, above=above)
     if spec.kind == "csr":

@@ -4,9 +4,9 @@ Tuning is the product's: for a weight shape and batch bucket a plan needs, :func
 times every launch candidate of the family (:meth:`KernelFamily.candidates`) on a random weight
 in the family's layout, as the compiled model runs it (CUDA-graph replay, the calls cycling
 through enough weight copies that the weight is read from memory, not the L2 cache), checks
-each launch's result against an fp32 product, and keeps the fastest right one (a launch that
-declines the shape, as CUTLASS's ``can_implement`` may, is left out). Winners are
-stored per GPU, torch, CUDA and sparsecc version in the cache directory
+each launch's result against the family's reference (an fp32 product), and keeps the fastest
+right one (a launch that declines the shape, as CUTLASS's ``can_implement`` may, is left out).
+Winners are stored per GPU, torch, CUDA and sparsecc version in the cache directory
 (``<SPARSECC_CACHE_DIR>/tuning/*.json``, written atomically under a lock, like the kernel
 cache), so a shape is tuned once per machine.
 
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from filelock import FileLock
 from tqdm.auto import tqdm
 
@@ -226,9 +225,9 @@ def tune_bucket(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int]
     times: dict[Launch, float] = {}
     description = f"sparsecc: tuning {family.name} {n}x{k} {name} M={m}"
     for launch in tqdm(launches, desc=description, unit="launch", disable=not progress, leave=False):
-        run = packed_runner(packed.running([(0, launch)]), m, device)
+        run = packed_runner(packed.running([(0, launch)]), m, device, x_dtype=getattr(torch, launch.spec.dtype))
         with torch.no_grad():
-            want = F.linear(run.x.float(), weight.float())
+            want = family.reference(run.x, weight)
             try:
                 got = run()
             except (RuntimeError, KernelRunError) as refusal:   # it declined the shape (CUTLASS's can_implement)

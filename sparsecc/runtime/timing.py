@@ -43,20 +43,24 @@ def copies_for(nbytes: int, max_copies: int = MAX_COPIES) -> int:
     return max(1, min(max_copies, -(-ROTATE_BYTES // max(nbytes, 1))))
 
 
-def packed_runner(packed: PackedWeight, m: int, device: torch.device, *,
-                  on_kernel: bool = True, epilogue: Epilogue | None = None) -> Callable[[], torch.Tensor]:
+def packed_runner(packed: PackedWeight, m: int, device: torch.device, *, on_kernel: bool = True,
+                  epilogue: Epilogue | None = None, x_dtype: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
     """A no-argument function computing ``x @ W^T`` for random ``x`` with ``m`` rows through the
     op of ``packed`` (a weight packed for sparsecc's kernels when ``on_kernel``, else in a
     portable format), with ``epilogue``'s random bias and activation where given: a site runs
     them too, and what they cost differs between a kernel's fused epilogue and torch's ops.
     ``run.copies`` is how many copies of the packed weight (see :data:`ROTATE_BYTES`) its calls
-    cycle through; ``run.x`` and ``run.bias`` are the input and the bias (None: none)."""
+    cycle through; ``run.x`` and ``run.bias`` are the input and the bias (None: none). ``x`` is in
+    ``x_dtype`` where the weight's dtype is not the input's (a quantized weight's), and the weight's
+    ``runner_args`` go where a site passes arguments of its own (a quantized site's scales)."""
     op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
-    x = torch.randn(m, packed.shape[1], dtype=packed.dtype, device=device)
+    x_dtype = x_dtype or packed.dtype
+    x = torch.randn(m, packed.shape[1], dtype=x_dtype, device=device)
     epilogue = epilogue or Epilogue()
-    bias = torch.randn(packed.shape[0], dtype=packed.dtype, device=device) if epilogue.bias else None
-    args = (x, *packed.tensors().values(), *packed.scalars().values(), bias, epilogue.activation.value, False,
-            False, *getattr(packed, "extra_args", ()))
+    bias = torch.randn(packed.shape[0], dtype=x_dtype, device=device) if epilogue.bias else None
+    runner_args = packed.runner_args() if hasattr(packed, "runner_args") else ()
+    args = (x, *packed.tensors().values(), *runner_args, *packed.scalars().values(), bias,
+            epilogue.activation.value, False, False, *getattr(packed, "extra_args", ()))
     copies = 1
     if torch.device(device).type == "cuda":
         nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))

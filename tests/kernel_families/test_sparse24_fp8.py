@@ -37,8 +37,8 @@ def test_a_plan_builds_the_e4m3_compressor_and_a_gemm_per_input_dtype():
     assert specs[0] == KernelSpec(Family.SM90_COMPRESS24, "float8_e4m3fn")
     assert {(s.family, s.dtype) for s in specs[1:]} == {(Family.SM90_SPARSE24_FP8, "float16"),
                                                          (Family.SM90_SPARSE24_FP8, "bfloat16")}
-    table = SPARSE24_FP8.dispatch(torch.bfloat16)
-    assert [bound for bound, _ in table] == [1, 128, 2048, 0]
+    table = SPARSE24_FP8.dispatch(torch.bfloat16, (4096, 4096))
+    assert [bound for bound, _ in table] == [1, 16, 64, 128, 2048, 0]
     assert all(launch.spec.dtype == "bfloat16" for _, launch in table)
 
 

@@ -10,6 +10,8 @@ fp32, so they differ in the order of the sums, in the kernel's fused multiply-ad
 the weight's scale and the bias, and in where the activation rounds; the bounds are those of the
 FP8 dense family (test_fp8_gpu.py): a wrong scale (one e4m3 step is 6-12%), a dropped bias or a
 misread metadata fails by orders of magnitude."""
+import logging
+
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ import sparsecc
 from sparsecc.codegen.spec import Family, KernelSpec
 from sparsecc.ir.formats import NM_2_4
 from sparsecc.ir.quant import quantize_weight
+from sparsecc.kernels import tune
+from sparsecc.kernels.base import Launch, launch_for
 from sparsecc.kernels.sparse24_fp8 import DEFAULTS, SPARSE24_FP8
 from sparsecc.runtime.kernel_op import linear_fp8_kernel
 from sparsecc.runtime.torch_ops import linear_fp8
@@ -35,6 +39,7 @@ SHAPES = [(4096, 4096, 1), (4096, 4096, 16), (264, 1056, 33), (1024, 2048, 300),
 KERNELS = [KernelSpec(Family.SM90_COMPRESS24, "float8_e4m3fn")] + [
     KernelSpec(Family.SM90_SPARSE24_FP8, name, tile=tile) for name in ("float16", "bfloat16")
     for tile in dict.fromkeys(DEFAULTS.values())]
+KERNELS += [launch.spec for launch in SPARSE24_FP8.candidates(torch.float16, (1024, 2048), 16)]
 
 
 def site(n, k, dtype, seed=0):
@@ -90,6 +95,27 @@ def test_nan_and_inf_propagate_like_the_reference(dtype):
     assert_same_nonfinite(got, linear_fp8(bad, weight, weight_scale, None, bias, "none", False, False), dtype)
     again = run(packed, x, weight_scale, None, bias, "none")
     assert rel_error(again, linear_fp8(x, weight, weight_scale, None, bias, "none", False, False)) <= BOUND[dtype]
+
+
+def test_tuning_times_every_candidate_against_the_fp8_reference(tmp_path, monkeypatch, caplog):
+    """Every candidate launch computes the FP8 product (tuning holds each to sparsecc.ir.quant's,
+    none is left out), the fastest is recorded and dispatched, and the packed site computes it."""
+    monkeypatch.setenv("SPARSECC_TUNE", "new")
+    table = tune.TuningTable([], tmp_path / "tuning.json", "test")
+    tune.use(table)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sparsecc"):
+            found = tune.tune_bucket(SPARSE24_FP8, torch.float16, (1024, 2048), 16, progress=False)
+        assert found is not None and "left out" not in caplog.text
+        table_launch = launch_for(SPARSE24_FP8.dispatch(torch.float16, (1024, 2048)), 16)
+        assert table_launch == Launch.from_description(found)
+        weight, weight_scale, bias = site(1024, 2048, torch.float16, seed=6)
+        packed = SPARSE24_FP8.pack(weight, NM_2_4, 16, input_dtype=torch.float16)
+        x = torch.randn(16, 2048, dtype=torch.float16, device="cuda")
+        assert rel_error(run(packed, x, weight_scale, None, bias, "relu"),
+                         linear_fp8(x, weight, weight_scale, None, bias, "relu", False, False)) <= BOUND[torch.float16]
+    finally:
+        tune.use(None)
 
 
 def test_replays_from_a_cuda_graph():

@@ -350,3 +350,32 @@ def test_a_launch_that_declines_the_shape_is_left_out(tunable, caplog):
                                  measure=lambda launch, run: times[launch])
     assert Launch.from_description(found) == fast
     assert "does not run" in caplog.text and declining.label in caplog.text
+
+
+def test_a_launch_is_held_to_its_familys_reference_with_its_runner_arguments(tunable):
+    """A family whose product is not the weight's plain one (a quantized weight's) gives tuning its
+    reference, the arguments its op takes where a site passes its own, and the inputs' dtype
+    through its launches: the launch right by that reference wins, the plain product is wrong."""
+    family = FakeFamily()
+    plain, halved = family.launches[0], family.launches[1]
+    calls = []
+
+    class Scaled(FakeWeight):
+        def runner_args(self):
+            return (torch.full((self.out_features,), 0.5),)
+
+        @staticmethod
+        def op(x, values, metadata, scale, out_features, in_features, bias, activation, x_transposed, transpose_out,
+               kernels):
+            calls.append(x.dtype)
+            y = F.linear(x.float(), values.float())
+            return y * scale if "_t128x128x64" in kernels else y
+
+    family.layout = lambda weight: Scaled(weight, None, *weight.shape)
+    family.tuning_weight = lambda n, k, dtype, device, generator: torch.randn(n, k, generator=generator)   # fp32
+    family.reference = lambda x, weight: F.linear(x.float(), weight.float()) * 0.5
+    family.launches = [plain, halved]
+    found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False,
+                             measure=lambda launch, run: 1.0)
+    assert Launch.from_description(found) == halved
+    assert set(calls) == {torch.float16}                 # the launches' dtype, not the packed weight's

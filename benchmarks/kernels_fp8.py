@@ -9,7 +9,8 @@
 - ``sparsecc-fp8-24``: ``sparsecc::linear_fp8_kernel``, what a quantized site compiled with
   ``formats=("2:4",)`` runs on Hopper: the FP8 2:4 CUTLASS GEMM (x rounded to e4m3 by its own
   first kernel, the scales, bias and ReLU in its epilogue), on the same weight pruned 2:4 before
-  quantizing (its ``rel_err`` against the reference op on that weight),
+  quantizing (its ``rel_err`` against the reference op on that weight), tuned at each M as
+  ``compile`` tunes it, in a table of the run's own,
 - ``sparsecc-fp8-reference``: ``sparsecc::linear_fp8``, the reference op (fp32 product).
 
 At M <= 64 every call reads its own copy of its weight (common.rotating), from memory as in a
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import (environment, failed, plot_per_dtype, relative_error, rotating, time_eager_us,  # noqa: E402
-                    time_graph_us, write)
+from common import (environment, failed, plot_per_dtype, private_tuning, relative_error, rotating,  # noqa: E402
+                    time_eager_us, time_graph_us, write)
 
 from sparsecc.ir.formats import NM_2_4  # noqa: E402
 from sparsecc.ir.quant import dequantize, quantize_input, quantize_weight  # noqa: E402
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", nargs="*", type=shape, default=SHAPES, help="NxK, e.g. 4096x4096")
     parser.add_argument("--no-reference", action="store_true", help="leave the reference op out")
     args = parser.parse_args(argv)
+    private_tuning("kernels_fp8")              # the FP8 2:4 GEMM tuned as compile tunes it, in a table of its own
     result = environment("kernels_fp8")
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
@@ -98,7 +100,7 @@ def measure_point(weight, weight_scale, dense, bias, m, name, gen, reference, pr
                             (weight, scale_b), None),
     }
     try:
-        packed = SPARSE24_FP8.pack(pruned[0], NM_2_4, m, input_dtype=dtype)
+        packed = SPARSE24_FP8.pack(pruned[0], NM_2_4, m, input_dtype=dtype, tune_range=(m, m))
         impls["sparsecc-fp8-24"] = (
             lambda values, metadata: linear_fp8_kernel(x, values, metadata, pruned[1], None, n, k, bias, "relu", False,
                                                        False, packed.kernels),

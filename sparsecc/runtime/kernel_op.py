@@ -118,28 +118,40 @@ def _linear_fp8_kernel_elsewhere(x, values, metadata, weight_scale, input_scale,
 _LIB.impl("linear_fp8_kernel", _linear_fp8_kernel_elsewhere, "CPU")
 
 
+def _kernel_rows(x, weight, out_features, in_features, bias, activation, x_transposed, what: str):
+    """A kernel op's arguments checked (device, bias shape, activation, K), and ``x`` as ``[M, K]``
+    rows, contiguous and 16-byte aligned: ``(rows, the output's leading shape, activation code)``."""
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        raise InputError(f"{what}: input on {x.device}, the weight on {weight.device}"
+                         + (f", the bias on {bias.device}" if bias is not None else ""))
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise InputError(f"{what}: bias of shape {tuple(bias.shape)} for a weight with {out_features} "
+                         f"outputs (expected [{out_features}])")
+    code = ACTIVATION_CODES.get(activation)
+    if code is None:
+        Activation.parse(activation)            # raises the clear error
+    xt = x.transpose(-1, -2) if x_transposed and x.dim() > 1 else x
+    if xt.shape[-1] != in_features:
+        raise InputError(f"{what}: input has {xt.shape[-1]} features along K, the weight expects {in_features}")
+    rows = xt.reshape(-1, in_features)
+    if not rows.is_contiguous() or rows.data_ptr() % 16:
+        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
+    return rows, tuple(xt.shape[:-1]), code
+
+
+def _kernel_output(y, lead, out_features, transpose_out):
+    """A kernel's ``[M, N]`` output in the site's shape (``y^T`` where ``transpose_out``)."""
+    y = y.reshape(*lead, out_features)
+    return y.transpose(-1, -2).contiguous() if transpose_out and y.dim() > 1 else y
+
+
 def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, activation, x_transposed,
                           transpose_out, kernels):
     """The CUDA implementation in Python: what csrc/launcher.cpp does, for where it cannot be built."""
     if x.dtype != weight.dtype:
         raise InputError(f"sparsecc linear: input dtype {x.dtype} does not match the weight's {weight.dtype}")
-    if x.device != weight.device or (bias is not None and bias.device != x.device):
-        raise InputError(f"sparsecc linear: input on {x.device}, the weight on {weight.device}"
-                         + (f", the bias on {bias.device}" if bias is not None else ""))
-    if bias is not None and tuple(bias.shape) != (out_features,):
-        raise InputError(f"sparsecc linear: bias of shape {tuple(bias.shape)} for a weight with {out_features} "
-                         f"outputs (expected [{out_features}])")
-    code = ACTIVATION_CODES.get(activation)
-    if code is None:
-        Activation.parse(activation)            # raises the clear error
-    one_dim = x.dim() == 1
-    xt = x.transpose(-1, -2) if x_transposed and not one_dim else x
-    if xt.shape[-1] != in_features:
-        raise InputError(f"sparsecc linear: input has {xt.shape[-1]} features along K, the weight expects {in_features}")
-    lead = tuple(xt.shape[:-1])
-    rows = xt.reshape(-1, in_features)
-    if not rows.is_contiguous() or rows.data_ptr() % 16:
-        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
+    rows, lead, code = _kernel_rows(x, weight, out_features, in_features, bias, activation, x_transposed,
+                                    "sparsecc linear")
     m = rows.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m > 0:
@@ -152,10 +164,7 @@ def _linear_kernel_python(x, weight, metadata, out_features, in_features, bias, 
                     bias.data_ptr() if bias is not None else 0, y.data_ptr(), out_features, m, in_features,
                     code + flags, torch.cuda.current_stream().cuda_stream, swizzle=swizzle, splits=splits,
                     workspace=workspace.data_ptr() if workspace is not None else 0)
-    y = y.reshape(*lead, out_features)
-    if transpose_out and not one_dim:
-        y = y.transpose(-1, -2).contiguous()
-    return y
+    return _kernel_output(y, lead, out_features, transpose_out)
 
 
 @torch.library.register_fake("sparsecc::linear_kernel")
@@ -168,21 +177,11 @@ def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_
     """The FP8 kernel on x's rows: it rounds them to e4m3 itself (per token, or with the static
     ``input_scale``), bit for bit as :func:`sparsecc.ir.quant.quantize_input` does, then multiplies,
     dequantizes and applies the epilogue."""
-    code = ACTIVATION_CODES.get(activation)
-    if code is None:
-        Activation.parse(activation)            # raises the clear error
     if tuple(weight_scale.shape) != (out_features,):
         raise InputError(f"sparsecc FP8 linear: weight_scale has shape {tuple(weight_scale.shape)}, "
                          f"expected ({out_features},)")
-    one_dim = x.dim() == 1
-    xt = x.transpose(-1, -2) if x_transposed and not one_dim else x
-    if xt.shape[-1] != in_features:
-        raise InputError(f"sparsecc FP8 linear: input has {xt.shape[-1]} features along K, the weight expects "
-                         f"{in_features}")
-    lead = tuple(xt.shape[:-1])
-    rows = xt.reshape(-1, in_features)
-    if not rows.is_contiguous() or rows.data_ptr() % 16:
-        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
+    rows, lead, code = _kernel_rows(x, values, out_features, in_features, bias, activation, x_transposed,
+                                    "sparsecc FP8 linear")
     m = rows.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m > 0:
@@ -200,10 +199,7 @@ def _linear_fp8_kernel_cuda(x, values, metadata, weight_scale, input_scale, out_
                     y.data_ptr(), out_features, m, in_features, code + flags, torch.cuda.current_stream().cuda_stream,
                     swizzle=swizzle, splits=splits, workspace=workspace.data_ptr(),
                     scales=(w_scale.data_ptr(), static.data_ptr() if static is not None else 0))
-    y = y.reshape(*lead, out_features)
-    if transpose_out and not one_dim:
-        y = y.transpose(-1, -2).contiguous()
-    return y
+    return _kernel_output(y, lead, out_features, transpose_out)
 
 
 _LIB.impl("linear_fp8_kernel", _linear_fp8_kernel_cuda, "CUDA")

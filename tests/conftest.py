@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +28,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2, tor
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or settings().cutlass_dir is None,
                                    reason="needs nvcc and the CUTLASS headers (pip install nvidia-cutlass)")
+
+
+def host_program(source: str, directory: Path) -> Path:
+    """``source`` (a rendered kernel with a ``main()`` appended) compiled by nvcc into a program
+    that runs on the host: the host half of a kernel (its layouts, its arguments, CUTLASS's
+    ``can_implement``, functions marked ``__host__ __device__``) checked without a GPU."""
+    tools = build_module.toolchain()
+    (directory / "check.cu").write_text(source)
+    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
+                    "-I", str(tools.util_include), "-o", str(directory / "check"), str(directory / "check.cu")],
+                   check=True, capture_output=True)
+    return directory / "check"
 
 
 #: ||got - ref|| / ||ref|| (NaN where the NaNs differ): the one relative error of sparsecc

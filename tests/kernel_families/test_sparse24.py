@@ -13,9 +13,8 @@ from sparsecc.ir.workload import Workload
 from sparsecc.kernels import tune
 from sparsecc.kernels.base import Launch, launch_for
 from sparsecc.kernels.sparse24 import FEW_ROWS_MAX_M, Sparse24Gemm, k_slices
-from sparsecc.runtime.build import toolchain
 
-from conftest import requires_nvcc
+from conftest import host_program, requires_nvcc
 
 GEMM = Sparse24Gemm()
 SMS = 132
@@ -136,14 +135,8 @@ def test_sliced_kernel_layouts_address_the_whole_weight(tmp_path):
     problem batched over the slices: checked entry by entry against the whole weight's layouts, on
     the host, by the rendered kernel's own make_arguments."""
     spec = KernelSpec(Family.SM90_SPARSE24, "float16", tile=(128, 32, 128), scheduler=Scheduler.SLICED)
-    source = tmp_path / "check.cu"
-    source.write_text(render(spec) + SLICED_LAYOUT_CHECK)
-    tools = toolchain()
-    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
-                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
-                   check=True, capture_output=True)
-    result = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True)
+    program = host_program(render(spec) + SLICED_LAYOUT_CHECK, tmp_path)
+    result = subprocess.run([str(program)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("wrong=0 packed_taken=1 real_refused=1") == 3, result.stdout
     picked = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("slices_for")]

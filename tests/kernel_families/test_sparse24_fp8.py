@@ -12,10 +12,9 @@ from sparsecc.codegen.spec import Family, KernelSpec
 from sparsecc.ir.formats import NM_2_4, FormatSpec
 from sparsecc.ir.quant import E4M3
 from sparsecc.kernels.sparse24_fp8 import SPARSE24_FP8, CutlassSparse24Fp8Weight
-from sparsecc.runtime.build import toolchain
 from sparsecc.runtime.kernel_op import linear_fp8_kernel
 
-from conftest import requires_nvcc
+from conftest import host_program, requires_nvcc
 
 
 @pytest.mark.parametrize("spec, shape, dtype, input_dtype, refused", [
@@ -104,15 +103,9 @@ def test_the_kernels_epilogue_arguments_and_the_shapes_it_takes(tmp_path):
     """The rendered FP8 kernel on the host: each scale, the bias, the flag and the activation reach
     their node of the visitor tree (x's scales and the weight's have the same type, so a swap would
     compile), and its own can_implement agrees with the family's rule on which shapes it takes."""
-    source = tmp_path / "check.cu"
-    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + HOST_CHECKS)
-    tools = toolchain()
-    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
-                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
-                   check=True, capture_output=True)
+    program = host_program(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + HOST_CHECKS, tmp_path)
     shapes = [(4096, 4096), (4096, 4128), (4096, 4112), (4096, 4104), (264, 1056), (264, 1040)]
-    result = subprocess.run([str(tmp_path / "check"), *(str(v) for shape in shapes for v in shape)],
+    result = subprocess.run([str(program), *(str(v) for shape in shapes for v in shape)],
                             capture_output=True, text=True, check=True)
     tree, *lines = result.stdout.splitlines()
     assert tree == "tree 1 1 1 1 1"
@@ -176,18 +169,12 @@ def test_the_kernels_rounding_to_e4m3_is_sparsecc_ir_quants(tmp_path):
     and the same per-token scales as amax_scale."""
     from sparsecc.ir.quant import amax_scale, to_e4m3
 
-    source = tmp_path / "check.cu"
-    source.write_text(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + ROUNDING)
-    tools = toolchain()
-    subprocess.run([str(tools.nvcc), "-std=c++17", "-O1", "--expt-relaxed-constexpr",
-                    "-gencode=arch=compute_90a,code=sm_90a", "-I", str(tools.cutlass_include),
-                    "-I", str(tools.util_include), "-o", str(tmp_path / "check"), str(source)],
-                   check=True, capture_output=True)
+    program = host_program(render(KernelSpec(Family.SM90_SPARSE24_FP8, "float16")) + ROUNDING, tmp_path)
     values, scales, amax = rounding_cases()
     count = len(values)
     (tmp_path / "in.bin").write_bytes(torch.tensor([count], dtype=torch.int64).numpy().tobytes()
                                       + values.numpy().tobytes() + scales.numpy().tobytes() + amax.numpy().tobytes())
-    subprocess.run([str(tmp_path / "check"), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
     out = (tmp_path / "out.bin").read_bytes()
     codes = torch.frombuffer(bytearray(out[:count]), dtype=torch.uint8)
     got_scales = torch.frombuffer(bytearray(out[count:]), dtype=torch.float32)

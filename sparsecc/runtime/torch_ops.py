@@ -389,8 +389,10 @@ def scaled_mm_refusal(device: torch.device | str, shape: tuple[int, int],
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def quantizer_spec(dtype: torch.dtype) -> KernelSpec:
-    """The kernel that rounds inputs of ``dtype`` (float16 or bfloat16) to e4m3 in one pass."""
+    """The kernel that rounds inputs of ``dtype`` (float16 or bfloat16) to e4m3 in one pass (made
+    once per dtype: a dense FP8 site asks for it on every call)."""
     return KernelSpec(Family.QUANTIZE_E4M3, str(dtype).replace("torch.", ""))
 
 

@@ -15,7 +15,7 @@ nothing faster takes it: exact, not fast.
   same codes as torch's ops, which round it elsewhere.
 - FP8 2:4 (:mod:`sparsecc.kernels.sparse24_fp8`): the CUTLASS sm_90a sparse GEMM on e4m3, both
   scales applied in its epilogue's visitor tree before the bias, where a plan asks for 2:4
-  (``formats=("2:4",)``) on a Hopper GPU; the input is rounded to e4m3 by torch ops before it.
+  (``formats=("2:4",)``) on a Hopper GPU; the kernel rounds the input to e4m3 itself, first.
 
 docs/kernels.md ("FP8") says what runs where and how each is held to the reference ops.
 """

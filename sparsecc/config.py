@@ -21,6 +21,8 @@ change the environment at run time.
 |                          | have no measurement on this GPU; ``all``: time them again; |                          |
 |                          | ``off``: time nothing (this GPU's earlier measurements,    |                          |
 |                          | else the shipped table's nearest shape)                    |                          |
+| SPARSECC_OPT_IN          | kernel families compile may use beyond the default ones    | none                     |
+|                          | (``,``-separated names: ``bitmap``)                        |                          |
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Settings:
     launcher: str = "cpp"
     nonfinite: str = "propagate"
     tune: str = "new"
+    opt_in: tuple[str, ...] = ()
 
 
 def _cutlass_from_wheel() -> Path | None:
@@ -100,6 +103,7 @@ def settings() -> Settings:
         nonfinite=nonfinite,
         tune=tune,
         kernel_dirs=tuple(Path(p) for p in env.get("SPARSECC_KERNELS", "").split(os.pathsep) if p),
+        opt_in=tuple(name.strip().lower() for name in env.get("SPARSECC_OPT_IN", "").split(",") if name.strip()),
     )
 
 

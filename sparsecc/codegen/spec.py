@@ -38,6 +38,7 @@ class Family(str, enum.Enum):
     BSR_MMA_SM90 = "bsr_mma_sm90"
     CSR_SM90 = "csr_sm90"
     CSR_WGMMA_SM90 = "csr_wgmma_sm90"
+    BITMAP_SM90 = "bitmap_sm90"
     RESIDUAL_SM90 = "residual_sm90"
     SPMM_SM90 = "spmm_sm90"
     QUANTIZE_E4M3 = "quantize_e4m3"
@@ -76,8 +77,15 @@ class Family(str, enum.Enum):
 
     @property
     def csr(self) -> bool:
-        """An unstructured sparse kernel (tile = rows of a weight tile, rows of x, entries per tile)."""
-        return self.value.startswith("csr")
+        """An unstructured sparse kernel (tile = rows of a weight tile, rows of x, entries per tile):
+        the tiled CSR kernels and the bitmap kernel, which shares their pipeline."""
+        return self.value.startswith("csr") or self is Family.BITMAP_SM90
+
+    @property
+    def bitmap(self) -> bool:
+        """An unstructured kernel whose tiles store a bit per element and their non-zeros' values
+        (sparsecc.kernels.bitmap) instead of a value and a slot per non-zero."""
+        return self is Family.BITMAP_SM90
 
     @property
     def per_entry(self) -> bool:
@@ -193,6 +201,15 @@ TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_SM
 #: rows of x per CTA of the wgmma CSR kernel: one consumer warpgroup of 64 rows, or two
 CSR_WGMMA_TILE_M = (64, 128)
 TILES[Family.CSR_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for c in CSR_CAPACITIES}
+#: the bitmap kernel (csr_sm90's pipeline on the bitmap packing): tiles of 64 rows, 16 or 32 rows of
+#: x per CTA, the stored values a tile may have (padded to 8)
+BITMAP_TILE_M = (16, 32)
+TILES[Family.BITMAP_SM90] = {(CSR_TILE_N, m, c) for m in BITMAP_TILE_M for c in CSR_SM90_CAPACITIES}
+#: the version of the bitmap packing (sparsecc.kernels.bitmap), part of the bitmap kernels' symbols
+#: as CSR_LAYOUT is of the CSR kernels'
+BITMAP_LAYOUT = 1
+#: bytes of a bitmap tile's bits (64 x 64 elements) and of its group offsets in shared memory
+BITMAP_TILE_BYTES = CSR_TILE_N * 64 // 8
 #: the per-entry kernels: 8 rows of x per CTA (a staged column of x is one 16-byte vector), 256
 #: threads, K up to 12288 staged (192 KB of shared memory)
 TILES[Family.RESIDUAL_SM90] = TILES[Family.SPMM_SM90] = {(8, 256, 12288)}
@@ -209,18 +226,22 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_SPARSE24_FP8:
                 Family.BSR_SM90_PAIRS: (64, 64, 256),
                 Family.BSR_MMA_SM90: (64, 64, 16),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
+                Family.BITMAP_SM90: (CSR_TILE_N, 16, 1024),
                 Family.RESIDUAL_SM90: (8, 256, 12288),
                 Family.SPMM_SM90: (8, 256, 12288), Family.QUANTIZE_E4M3: (256, 8, 1)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
 
 
-def _csr_stages_fitting(tile_m: int, capacity: int, step_tiles: int) -> int:
+def _csr_stages_fitting(tile_m: int, capacity: int, step_tiles: int, bitmap: bool = False) -> int:
     """Pipeline stages of the CSR kernel that fit 113 KB of shared memory (two CTAs per SM) beside
-    its double-buffered dense tile and the K slice's tile offsets (1 KB): a stage holds x's
-    columns and the entries (2-byte value, 2-byte slot) of ``step_tiles`` tiles."""
+    its double-buffered dense tile and the K slice's tile offsets (1 KB; 4 KB of group offsets for
+    the bitmap kernel): a stage holds x's columns and the entries (2-byte value, 2-byte slot) of
+    ``step_tiles`` tiles, or for the bitmap kernel their values and bits."""
     step_k = 64 * step_tiles
-    stage_bytes = tile_m * step_k * 2 + capacity * step_tiles * 4
-    return (113 * 1024 - 1024 - 2 * CSR_TILE_N * step_k * 2) // stage_bytes
+    entry_bytes = capacity * step_tiles * 2 + step_tiles * BITMAP_TILE_BYTES if bitmap else capacity * step_tiles * 4
+    offsets = 4096 if bitmap else 1024
+    stage_bytes = tile_m * step_k * 2 + entry_bytes
+    return (113 * 1024 - offsets - 2 * CSR_TILE_N * step_k * 2) // stage_bytes
 
 
 @dataclass(frozen=True)
@@ -300,7 +321,7 @@ class KernelSpec:
         if self.family is Family.CSR_WGMMA_SM90:
             return 1
         tiles = {16: 4, 32: 4, 64: 2, 128: 1}[tile_m]
-        while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles) < 3:
+        while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles, self.family.bitmap) < 3:
             tiles //= 2
         return tiles
 
@@ -311,7 +332,7 @@ class KernelSpec:
         a sparse weight's small tile capacity buys a deep pipeline, which hides memory latency
         at small batch."""
         _, tile_m, capacity = self.tile
-        return max(3, min(8, _csr_stages_fitting(tile_m, capacity, self.csr_step_tiles)))
+        return max(3, min(8, _csr_stages_fitting(tile_m, capacity, self.csr_step_tiles, self.family.bitmap)))
 
     @property
     def symbol(self) -> str:
@@ -325,7 +346,8 @@ class KernelSpec:
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_r{self.tile[0]}"
         if self.family.csr:
             n, m, capacity = self.tile
-            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}_l{CSR_LAYOUT}"
+            layout = BITMAP_LAYOUT if self.family.bitmap else CSR_LAYOUT
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}_l{layout}"
         if self.family in (Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_MMA_SM90_DENSE):
             w, u, x = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_x{x}"

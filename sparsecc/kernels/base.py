@@ -199,8 +199,9 @@ class KernelFamily:
     one), ``kind`` (the format kind it runs: "dense", "nm", "bsr" or "csr"), ``templates``
     (what it renders), ``unit`` (how a plan's reason names it), ``impls`` (the cost model's
     implementations it prices), ``max_m`` (the largest planned batch a site is packed for it
-    at; None: any) and, for a ``tunable`` family (its time does not depend on the weight's
-    values), ``buckets``.
+    at; None: any), ``opt_in`` (compile uses it only where ``SPARSECC_OPT_IN`` names it: a new
+    family starts so until its work model is calibrated and its gains measured) and, for a
+    ``tunable`` family (its time does not depend on the weight's values), ``buckets``.
     """
 
     name: ClassVar[str]
@@ -209,6 +210,7 @@ class KernelFamily:
     unit: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ()
     max_m: ClassVar[int | None] = None
+    opt_in: ClassVar[bool] = False
     tunable: ClassVar[bool] = False
     buckets: ClassVar[Buckets]
 

@@ -141,8 +141,10 @@ def metadata_header(tile_ptr: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class CsrKernelWeight(KernelWeight):
-    """An unstructured sparse weight in the tiled layout of the CSR kernel (see the module docstring)."""
+class TiledKernelWeight(KernelWeight):
+    """An unstructured sparse weight cut into tiles of :data:`~sparsecc.codegen.CSR_TILE_N` rows x
+    :data:`TILE_K` columns that store only their non-zeros, for kernels built per tile capacity:
+    the tiled CSR layout here, the bitmap layout (:mod:`sparsecc.kernels.bitmap`)."""
 
     capacity: int = CSR_CAPACITIES[-1]
     selection: str = ""       # why compile packed the weight for this kernel (registry.pack_unstructured)
@@ -152,6 +154,11 @@ class CsrKernelWeight(KernelWeight):
     @property
     def tile_count(self) -> int:
         return self.out_features // CSR_TILE_N * -(-self.in_features // TILE_K)
+
+
+@dataclass
+class CsrKernelWeight(TiledKernelWeight):
+    """An unstructured sparse weight in the tiled layout of the CSR kernel (see the module docstring)."""
 
     @property
     def tile_ptr(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..codegen.spec import KernelSpec
+from ..config import settings
 from ..errors import InputError, KernelBuildError
 from ..ir.formats import DENSE, NM_2_4, FormatSpec, PackedWeight
 from ..ir.quant import E4M3, FP8_DTYPES
@@ -21,6 +22,7 @@ from ..runtime.timing import packed_runner, time_all_us
 from ..runtime.torch_ops import quantizer_spec
 from . import fp8
 from .base import KERNEL_DTYPES, KernelFamily, kernels_unavailable
+from .bitmap import BitmapTiled
 from .bsr import Bsr
 from .csr import CsrTiled
 from .csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY
@@ -32,10 +34,11 @@ from . import sparse24_by_rows
 from .sparse24_fp8 import SPARSE24_FP8
 from .sparse24_small import GEMM, GEMV, MMA, choose
 
-BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), CsrSplit(), CsrSpmm()
+BSR, CSR_TILED, CSR_BITMAP, CSR_SPLIT, CSR_SPMM = Bsr(), CsrTiled(), BitmapTiled(), CsrSplit(), CsrSpmm()
 
 #: every kernel family, in the order their kernels are preferred where several serve a site
-FAMILIES: tuple[KernelFamily, ...] = (DenseGemm(), DENSE_SMALL, GEMM, GEMV, MMA, BSR, CSR_TILED, CSR_SPLIT, CSR_SPMM)
+FAMILIES: tuple[KernelFamily, ...] = (DenseGemm(), DENSE_SMALL, GEMM, GEMV, MMA, BSR, CSR_TILED, CSR_BITMAP, CSR_SPLIT,
+                                      CSR_SPMM)
 #: the families that run a quantized (FP8) site that stays dense, on torch's FP8 GEMM (nothing generated)
 FP8_FAMILIES: tuple[KernelFamily, ...] = (fp8.SCALED_MM,)
 #: the families that run a quantized (FP8) site packed sparse, where a plan asks for it
@@ -45,8 +48,8 @@ PLANNED_KINDS = ("nm", "bsr", "csr")
 #: the batch an unstructured weight's kernels are timed at when the site's batch is not known
 UNKNOWN_M = 128
 #: how a plan's reason names each CSR family it timed
-CSR_LABELS = {CSR_TILED: "the tiled CSR kernel", CSR_SPLIT: "split onto the 2:4 kernels plus a residual pass",
-              CSR_SPMM: "the CUDA-core CSR kernel"}
+CSR_LABELS = {CSR_TILED: "the tiled CSR kernel", CSR_BITMAP: "the bitmap kernel",
+              CSR_SPLIT: "split onto the 2:4 kernels plus a residual pass", CSR_SPMM: "the CUDA-core CSR kernel"}
 
 
 def by_impl(impl: str) -> KernelFamily | None:
@@ -54,11 +57,22 @@ def by_impl(impl: str) -> KernelFamily | None:
     return next((family for family in FAMILIES if impl in family.impls), None)
 
 
+def enabled(family: KernelFamily) -> bool:
+    """Whether compile may use ``family``: every family but the opt-in ones, and those that
+    ``SPARSECC_OPT_IN`` names (an unknown name is an error)."""
+    names = settings().opt_in
+    unknown = set(names) - {f.name for f in FAMILIES if f.opt_in}
+    if unknown:
+        raise InputError(f"SPARSECC_OPT_IN names {sorted(unknown)}: the opt-in kernel families are "
+                         f"{sorted(f.name for f in FAMILIES if f.opt_in)}")
+    return not family.opt_in or family.name in names
+
+
 def serving(spec: FormatSpec) -> list[KernelFamily]:
-    """The families that run the format ``spec`` (whatever the weight)."""
+    """The families that run the format ``spec`` (whatever the weight) and compile may use."""
     if spec.kind not in PLANNED_KINDS:
         return []
-    return [family for family in FAMILIES if family.kind == spec.kind]
+    return [family for family in FAMILIES if family.kind == spec.kind and enabled(family)]
 
 
 def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,
@@ -158,7 +172,8 @@ def pack_unstructured(weight: torch.Tensor, m: int | None, *, tune_range: tuple[
                       progress: bool = False) -> PackedWeight:
     """An unstructured weight packed for the fastest of the CSR families at ``m`` rows, timed on
     the weight itself (CUDA-graph replay, a few milliseconds each): the tiled kernels (their time
-    follows the 64x64 tiles, whatever their entries), the split onto the 2:4 kernels plus a
+    follows the 64x64 tiles, whatever their entries), the bitmap kernel (the same pipeline, fewer
+    bytes a non-zero: its time follows the tiles and the non-zeros), the split onto the 2:4 kernels plus a
     residual pass (its time follows the entries beyond two per group of four), and the CUDA-core
     kernel (its time follows the entries; timed up to :data:`SPMM_MAX_DENSITY`). Each wins
     somewhere, by shape, density and batch, hence the timing. The returned weight's

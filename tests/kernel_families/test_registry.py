@@ -7,6 +7,7 @@ import torch
 
 from conftest import block_sparse, n_m, unstructured
 from sparsecc.codegen.spec import Family
+from sparsecc.errors import InputError
 from sparsecc.ir.analysis import analyze
 from sparsecc.ir.formats import NM_2_4, FormatSpec
 from sparsecc.kernels import registry
@@ -53,8 +54,21 @@ def test_refusal_says_why_no_kernel_runs_a_format(spec, shape, dtype, refused):
 def test_csr_candidates_are_every_family_that_takes_the_shape():
     names = lambda shape: [f.name for f in registry.candidates(FormatSpec("csr"), torch.float16, shape, 16)]  # noqa: E731
     assert names((4096, 4096)) == ["csr-tiled", "csr-split", "csr-spmm"]
-    assert names((200, 4096)) == ["csr-split", "csr-spmm"]        # N % 64 != 0: not the tiled kernel
+    assert names((200, 4096)) == ["csr-split", "csr-spmm"]        # N % 64 != 0: not the tiled kernels
     assert names((4096, 16384)) == ["csr-tiled", "csr-split"]        # past the CUDA-core kernel's K
+
+
+def test_opt_in_families_are_candidates_only_where_named(monkeypatch):
+    """The bitmap kernel is opt-in: a CSR site may be packed for it (compile times it with the
+    others) only under SPARSECC_OPT_IN=bitmap; a name that is no opt-in family is refused."""
+    names = lambda: [f.name for f in registry.candidates(FormatSpec("csr"), torch.float16, (4096, 4096), 16)]  # noqa: E731
+    assert "bitmap" not in names()
+    monkeypatch.setenv("SPARSECC_OPT_IN", "Bitmap")
+    assert names() == ["csr-tiled", "bitmap", "csr-split", "csr-spmm"]
+    assert registry.by_impl("bitmap-kernel") is registry.CSR_BITMAP
+    monkeypatch.setenv("SPARSECC_OPT_IN", "bitmap,csr-tiled")
+    with pytest.raises(InputError, match="csr-tiled.*opt-in kernel families are \\['bitmap'\\]"):
+        names()
 
 
 def test_every_kernel_implementation_has_a_work_model(gen):

@@ -1,0 +1,133 @@
+"""The bitmap packing and its kernel's configuration (sparsecc.kernels.bitmap), on the CPU: exact
+round trips, the dense tile the kernel's helper warps rebuild from bits and values (their
+algorithm replayed here), bytes, capacities, shared memory and refusals."""
+import pytest
+import torch
+
+from sparsecc.codegen.spec import (BITMAP_LAYOUT, BITMAP_TILE_M, CSR_SM90_CAPACITIES, TILES, Family, KernelSpec)
+from sparsecc.errors import InputError
+from sparsecc.ir.analysis import analyze
+from sparsecc.ir.formats import CSR, NM_2_4
+from sparsecc.kernels.bitmap import (BITMAP_BUCKETS, GROUPS, WORDS, BitmapKernelWeight, BitmapTiled, bit_positions,
+                                     dispatch)
+from sparsecc.kernels.csr import TILE_K, CsrKernelWeight, slot
+
+from kernel_families.test_csr import unstructured
+
+
+def rebuilt_tile(packed, tile):
+    """Tile ``tile`` as the kernel's helper warps write it into shared memory: the lane holding
+    word ``w`` starts at its group's offset plus the set bits of its warp's lower words and
+    writes its bits' values, lowest bit first, to slots ``b * WORDS + w``."""
+    words = [int(v) & 0xFFFFFFFF for v in packed.bits[tile]]
+    group_ptr = packed.group_ptr.long()
+    shared = torch.zeros(64 * TILE_K, dtype=packed.values.dtype)
+    for w, word in enumerate(words):
+        group = w // 32
+        following = int(group_ptr[tile * GROUPS + group]) + sum(bin(v).count("1") for v in words[32 * group:w])
+        for b in range(32):
+            if word >> b & 1:
+                shared[b * WORDS + w] = packed.values[following]
+                following += 1
+    return shared
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 200), (192, 1040)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pack_round_trips_and_rebuilds_each_tile_as_the_kernel_does(shape, dtype, gen):
+    n, k = shape
+    weight = unstructured(n, k, 0.3, gen, dtype)
+    weight[5] = 0                                                  # an empty row
+    packed = BitmapKernelWeight.pack(weight)
+    assert torch.equal(packed.to_dense(), weight)
+    k_tiles = -(-k // TILE_K)
+    assert packed.tile_count == n // 64 * k_tiles and packed.bits.shape == (packed.tile_count, WORDS)
+    tile_ptr = packed.group_ptr[::GROUPS].long()
+    assert tile_ptr[0] == 0 and (tile_ptr % 8 == 0).all() and tile_ptr[-1] == packed.values.numel()
+    row, column = torch.meshgrid(torch.arange(64), torch.arange(TILE_K), indexing="ij")
+    for tile in range(packed.tile_count):
+        rows, cols = tile // k_tiles * 64, tile % k_tiles * TILE_K
+        expected = torch.zeros(64, TILE_K, dtype=dtype)
+        part = weight[rows:rows + 64, cols:cols + TILE_K]
+        expected[:, :part.shape[1]] = part
+        assert torch.equal(rebuilt_tile(packed, tile)[slot(row, column)], expected), tile
+        stored = int((expected != 0).sum())                        # then zeros up to a multiple of 8
+        assert tile_ptr[tile + 1] - tile_ptr[tile] == -(-stored // 8) * 8
+        assert (packed.values[tile_ptr[tile] + stored:tile_ptr[tile + 1]] == 0).all()
+    assert packed.metadata.dtype == torch.int32 and packed.spec == CSR
+
+
+def test_bits_order_lets_a_warps_lanes_write_neighbouring_slots():
+    """Bit b of words 0..31 (the lanes of a warp) stands for slots b * WORDS + 0..31: 32
+    consecutive 2-byte slots, 16 banks; every element of a tile has exactly one bit."""
+    order = bit_positions()
+    assert sorted(order.tolist()) == list(range(64 * TILE_K))
+    row, column = order // TILE_K, order % TILE_K
+    slots = slot(row, column).view(WORDS, 32)                      # [word, bit]
+    assert torch.equal(slots, torch.arange(32)[None, :] * WORDS + torch.arange(WORDS)[:, None])
+
+
+def test_nonfinite_and_negative_values_are_stored_and_zeros_are_not(gen):
+    weight = unstructured(64, 128, 0.5, gen)
+    weight[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.5])
+    weight[1, :2] = torch.tensor([0.0, -0.0])
+    packed = BitmapKernelWeight.pack(weight)
+    assert torch.equal(packed.to_dense().isnan(), weight.isnan())
+    assert torch.equal(torch.nan_to_num(packed.to_dense()), torch.nan_to_num(weight))
+    assert int((packed.values != 0).sum()) == int((weight != 0).sum())       # -0.0 is not stored
+
+
+@pytest.mark.parametrize("density", [0.5, 0.3, 0.1])
+def test_bytes_scale_with_the_non_zeros(density, gen):
+    """2d + 1/8 bytes an element (fp16) plus the padding of each tile's values to 8, as the cost
+    model's nbytes counts them; less than the CSR packing's 4d at every density."""
+    weight = unstructured(1024, 2048, density, gen, torch.float16)
+    packed = BitmapKernelWeight.pack(weight)
+    per_element = packed.nbytes / weight.numel()
+    assert 2 * density + 1 / 8 <= per_element <= 2 * density + 1 / 8 + 0.01
+    assert BitmapTiled().nbytes(analyze(weight), 2) == pytest.approx(packed.nbytes, rel=0.01)
+    assert packed.nbytes < CsrKernelWeight.pack(weight).nbytes
+
+
+def test_capacity_is_the_fullest_tiles_padded_values(gen):
+    sparse = BitmapKernelWeight.pack(unstructured(128, 256, 0.1, gen))
+    assert sparse.capacity == 512 and 256 < sparse.fullest_tile <= 512
+    full = BitmapKernelWeight.pack(torch.randn(64, 128, generator=gen))
+    assert full.capacity == 4096 and full.fullest_tile == 4096
+    empty = BitmapKernelWeight.pack(torch.zeros(128, 64))
+    assert empty.values.numel() == 0 and empty.capacity == 256 and (empty.bits == 0).all()
+
+
+def test_every_kernel_fits_two_ctas_an_sm():
+    """The template's shared memory: per stage x's columns, the values and the bits of its tiles;
+    the dense tile twice and the group offsets of a slice (4048 bytes): within 113 KB, three
+    stages at least."""
+    for tile in TILES[Family.BITMAP_SM90]:
+        spec = KernelSpec(Family.BITMAP_SM90, "float16", tile=tile)
+        step_k = 64 * spec.csr_step_tiles
+        stage = tile[1] * step_k * 2 + tile[2] * spec.csr_step_tiles * 2 + spec.csr_step_tiles * WORDS * 4
+        shared = spec.csr_stages * stage + 2 * 64 * step_k * 2 + (252 * GROUPS + 1 + 3) // 4 * 16
+        assert 3 <= spec.csr_stages <= 8 and shared <= 113 << 10, tile
+        assert spec.symbol.endswith(f"_l{BITMAP_LAYOUT}") and spec.family.csr and spec.family.own_launch
+
+
+def test_dispatch_runs_16_rows_of_x_per_cta_up_to_16_and_32_beyond():
+    table = dispatch(torch.bfloat16, 700)
+    assert [bound for bound, _ in table] == [bound for bound, _ in BITMAP_BUCKETS]
+    assert [launch.spec.tile for _, launch in table] == [(64, 16, 1024), (64, 16, 1024), (64, 32, 1024)]
+    assert {launch.spec.family for _, launch in table} == {Family.BITMAP_SM90}
+    assert all(launch.spec.tile[1] in BITMAP_TILE_M and launch.spec.tile[2] in CSR_SM90_CAPACITIES
+               for _, launch in table)
+
+
+def test_refusals_name_the_bitmap_kernel():
+    family = BitmapTiled()
+    assert "bitmap kernel" in family.refuses(CSR, (100, 256), torch.float16)
+    assert "bitmap kernel" in family.refuses(CSR, (128, 250), torch.float16)
+    assert "float16/bfloat16" in family.refuses(CSR, (128, 256), torch.float32)
+    assert family.refuses(CSR, (128, 256), torch.bfloat16) is None
+    assert "CSR" in family.refuses(NM_2_4, (128, 256), torch.float16)
+    with pytest.raises(InputError, match="N % 64"):
+        BitmapKernelWeight.pack(torch.ones(100, 64))
+    with pytest.raises(InputError, match="GPU"):
+        family.pack(torch.ones(128, 64, dtype=torch.float16), CSR, 16)

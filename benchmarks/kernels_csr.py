@@ -11,7 +11,9 @@
   for it (the 2:4 part's family and launches from the shipped tuning table, see below);
   with ``--residual-modes`` also each mode of the residual pass forced
   (``sparsecc-csr-split-gather``, ``-staged``, ``-transposed``),
-- ``sparsecc-csr-spmm``: sparsecc's CUDA-core CSR kernel (sparsecc.kernels.csr_spmm), up to density 0.1.
+- ``sparsecc-csr-spmm``: sparsecc's CUDA-core CSR kernel (sparsecc.kernels.csr_spmm), up to density 0.1,
+- ``sparsecc-bitmap``: sparsecc's bitmap kernel (sparsecc.kernels.bitmap: a bit per element and the
+  non-zeros' values, on the tiled CSR kernel's pipeline), its M dispatch table.
 
 Run as a script this benchmark sets ``SPARSECC_TUNE=off`` and leaves this machine's tuned
 launches out (common.fixed_dispatch): the split weight's 2:4 part runs the shipped tuning
@@ -50,10 +52,12 @@ from kernels_bsr import geomean  # noqa: E402
 from sparsecc.ir.formats import FormatSpec  # noqa: E402
 from sparsecc.kernels.csr_split import GATHER, STAGED, TRANSPOSED, linear_split  # noqa: E402
 from sparsecc.kernels.csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY  # noqa: E402
+from sparsecc.kernels.bitmap import BitmapTiled  # noqa: E402
 from sparsecc.kernels.registry import CSR_SPLIT, CSR_SPMM, CSR_TILED  # noqa: E402
 from sparsecc.runtime.kernel_op import linear_kernel  # noqa: E402
 
 CSR = FormatSpec("csr")
+BITMAP = BitmapTiled()
 
 SHAPES = [(11008, 4096), (4096, 11008), (4096, 4096), (3072, 768), (768, 3072), (1024, 4096)]
 MS = [16, 64, 2048, 8192]
@@ -91,14 +95,15 @@ def main(argv=None) -> dict:
             for density in args.densities:
                 w = unstructured_weight(n, k, density, dtype, gen)
                 packed = None if args.no_tiled else CSR_TILED.pack(w, CSR, None, progress=True)
+                bitmap = None if args.no_tiled else BITMAP.pack(w, CSR, None, progress=True)
                 spmm = (CSR_SPMM.pack(w, CSR, None, progress=True)
                         if density <= SPMM_MAX_DENSITY and not args.tiled_only else None)
                 w_csr = None if args.no_cusparse else w.to_sparse_csr()
                 for m in args.ms:
                     split = None if args.tiled_only else CSR_SPLIT.pack(w, CSR, m, progress=True)
                     result["rows"] += measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen,
-                                                    args.residual_modes)
-                del w_csr, packed, spmm
+                                                    args.residual_modes, bitmap)
+                del w_csr, packed, spmm, bitmap
             write(result, stem=args.stem)       # what a run cut short keeps
     path = write(result, stem=args.stem)
     plot(result, path.with_suffix(".png"))
@@ -107,7 +112,8 @@ def main(argv=None) -> dict:
     return result
 
 
-def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, residual_modes) -> list[dict]:
+def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, residual_modes,
+                  bitmap=None) -> list[dict]:
     n, k = w.shape
     x = torch.randn(m, k, generator=gen).to(w.dtype).cuda()
     ref = torch.relu(x.float() @ w.float().t() + bias.float())
@@ -115,6 +121,9 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
     if packed is not None:
         impls["sparsecc-csr"] = (lambda v, e: linear_kernel(x, v, e, n, k, bias, "relu", False, False,
                                                             packed.kernels), (packed.values, packed.metadata))
+    if bitmap is not None:
+        impls["sparsecc-bitmap"] = (lambda v, e: linear_kernel(x, v, e, n, k, bias, "relu", False, False,
+                                                               bitmap.kernels), (bitmap.values, bitmap.metadata))
     if spmm is not None:
         impls["sparsecc-csr-spmm"] = (lambda v, e: linear_kernel(x, v, e, n, k, bias, "relu", False, False,
                                                                  spmm.kernels), (spmm.values, spmm.metadata))
@@ -135,6 +144,7 @@ def measure_point(w, w_csr, bias, packed, split, spmm, m, density, name, gen, re
         row = {"impl": impl, "format": "dense" if impl == "cublas" else "csr", **base,
                "nbytes": (w.numel() * w.element_size() if impl == "cublas" else
                           packed.nbytes if impl == "sparsecc-csr" else
+                          bitmap.nbytes if impl == "sparsecc-bitmap" else
                           spmm.nbytes if impl == "sparsecc-csr-spmm" else
                           split.nbytes if impl.startswith("sparsecc-csr-split") else
                           sum(t.numel() * t.element_size() for t in (w_csr.crow_indices(), w_csr.col_indices(),
@@ -183,7 +193,7 @@ def fastest(result: dict, dtype: str, over: str = "cublas") -> dict:
 def print_summary(result: dict) -> None:
     """Per sparsecc CSR kernel (and the fastest of them), dtype, M and density: the speedup
     over cuBLAS (all shapes and N, K >= 4096) and the smallest speedup over cuSPARSE."""
-    for impl in (*CSR_KERNELS, "fastest"):
+    for impl in (*CSR_KERNELS, "sparsecc-bitmap", "fastest"):
         for dtype in sorted({r["dtype"] for r in result["rows"]}):
             data, vs_cusparse = ((fastest(result, dtype), fastest(result, dtype, over="torch-csr-cusparse"))
                                  if impl == "fastest" else
@@ -200,7 +210,7 @@ def print_summary(result: dict) -> None:
 def plot(result: dict, path) -> None:
     def draw(ax, dtype):
         for impl, style in (("sparsecc-csr-split", "-s"), ("sparsecc-csr-spmm", "-^"), ("sparsecc-csr", "-o"),
-                            ("torch-csr-cusparse", ":x")):
+                            ("sparsecc-bitmap", "-D"), ("torch-csr-cusparse", ":x")):
             data = speedups(result, impl, dtype)
             for m in sorted({p[0] for p in data}):
                 densities = sorted({p[3] for p in data if p[0] == m})

@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 touch /tmp/session-start      # results written after this are copied to $OUT at the end
 export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=${SPARSECC_CACHE_DIR:-$PWD/.kcache} SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
 # what the session carries (benchmarks/README.md): the CUTLASS headers, as the nvidia-cutlass wheel
-# in .whl/ or as .carry/cutlass.tgz, and .carry/kcache.tgz, a kernel cache built before (optional;
+# in .whl/ or as .carry/cutlass.tgz, and .carry/kcache.txz, a kernel cache built before (optional;
 # used when SPARSECC_CACHE_DIR is not set, else that cache is used, e.g. one an earlier call left in /tmp)
 if ls .whl/nvidia_cutlass-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nvidia_cutlass-*.whl || exit 1
@@ -25,7 +25,7 @@ else
   mkdir -p /tmp/cutlass && tar xzf .carry/cutlass.tgz -C /tmp/cutlass || exit 1
   export SPARSECC_CUTLASS_DIR=/tmp/cutlass/source/include
 fi
-[ -f .carry/kcache.tgz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ] && tar xzf .carry/kcache.tgz
+[ -f .carry/kcache.txz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ] && tar xJf .carry/kcache.txz
 mkdir -p "$SPARSECC_CACHE_DIR" && chmod -R go-w "$SPARSECC_CACHE_DIR" && chmod 700 "$SPARSECC_CACHE_DIR"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from ..codegen.spec import CSR_LAYOUT, KernelSpec
+from ..codegen.spec import BITMAP_LAYOUT, CSR_LAYOUT, KernelSpec
 from ..errors import KernelBuildError, SparseccError
 from .build import KernelCache, build, toolchain
 from .kernel_dir import directories
@@ -150,11 +150,13 @@ def get(symbol: str) -> Kernel:
         return _REGISTRY[symbol]
     except KeyError:
         pass
-    csr = re.fullmatch(r"sparsecc_csr_\w+_c\d+(?:_l(\d+))?", symbol)
-    if csr and csr.group(1) != str(CSR_LAYOUT):
-        raise SparseccError(f"kernel {symbol} reads weights packed in an earlier tiled CSR layout "
-                            f"({csr.group(1) or 1}, this sparsecc packs layout {CSR_LAYOUT}): a module saved "
-                            "with it must be compiled again")
+    versioned = re.fullmatch(r"sparsecc_(csr|bitmap)_\w+_c\d+(?:_l(\d+))?", symbol)
+    if versioned:
+        name, layout = {"csr": ("tiled CSR", CSR_LAYOUT), "bitmap": ("bitmap", BITMAP_LAYOUT)}[versioned.group(1)]
+        if versioned.group(2) != str(layout):
+            raise SparseccError(f"kernel {symbol} reads weights packed in another {name} layout "
+                                f"({versioned.group(2) or 1}, this sparsecc packs layout {layout}): a module "
+                                "saved with it must be compiled again")
     raise SparseccError(f"kernel {symbol} is not loaded in this process: compile the model with "
                         "sparsecc.compile (or call sparsecc.runtime.kernel_op.ensure) first")
 

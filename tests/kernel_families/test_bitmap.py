@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from sparsecc.codegen.spec import (BITMAP_LAYOUT, BITMAP_TILE_M, CSR_SM90_CAPACITIES, TILES, Family, KernelSpec)
-from sparsecc.errors import InputError
+from sparsecc.errors import InputError, SparseccError
 from sparsecc.ir.analysis import analyze
 from sparsecc.ir.formats import CSR, NM_2_4
 from sparsecc.kernels.bitmap import (BITMAP_BUCKETS, GROUPS, WORDS, BitmapKernelWeight, BitmapTiled, bit_positions,
                                      dispatch)
 from sparsecc.kernels.csr import TILE_K, CsrKernelWeight, slot
+from sparsecc.runtime import loader
 
 from kernel_families.test_csr import unstructured
 
@@ -131,3 +132,14 @@ def test_refusals_name_the_bitmap_kernel():
         BitmapKernelWeight.pack(torch.ones(100, 64))
     with pytest.raises(InputError, match="GPU"):
         family.pack(torch.ones(128, 64, dtype=torch.float16), CSR, 16)
+
+
+def test_a_kernel_of_another_bitmap_layout_is_refused_with_the_reason():
+    """The layout version is part of the bitmap kernel's symbols, as of the CSR kernels'."""
+    current = KernelSpec(Family.BITMAP_SM90, "bfloat16", tile=(64, 32, 512)).symbol
+    other = current.rsplit("_l", 1)[0] + f"_l{BITMAP_LAYOUT + 1}"
+    with pytest.raises(SparseccError, match=rf"another bitmap layout \({BITMAP_LAYOUT + 1}, this sparsecc packs "
+                                            rf"layout {BITMAP_LAYOUT}\)"):
+        loader.get(other)
+    with pytest.raises(SparseccError, match="is not loaded in this process"):
+        loader.get(current)

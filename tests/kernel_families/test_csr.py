@@ -184,7 +184,7 @@ def test_a_kernel_of_an_older_csr_layout_is_refused_with_the_reason():
     current = KernelSpec(Family.CSR_WGMMA_SM90, "float16", tile=(64, 64, 1024)).symbol
     assert current.endswith(f"_l{CSR_LAYOUT}")
     older = current.rsplit("_l", 1)[0]                      # layout 1 had no suffix
-    with pytest.raises(SparseccError, match=r"earlier tiled CSR layout \(1, this sparsecc packs layout 2\)"):
+    with pytest.raises(SparseccError, match=r"another tiled CSR layout \(1, this sparsecc packs layout 2\)"):
         loader.get(older)
     with pytest.raises(SparseccError, match="is not loaded in this process"):
         loader.get(current)

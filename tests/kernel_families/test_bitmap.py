@@ -1,6 +1,8 @@
 """The bitmap packing and its kernel's configuration (sparsecc.kernels.bitmap), on the CPU: exact
 round trips, the dense tile the kernel's helper warps rebuild from bits and values (their
 algorithm replayed here), bytes, capacities, shared memory and refusals."""
+import subprocess
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from sparsecc.kernels.bitmap import (BITMAP_BUCKETS, GROUPS, WORDS, BitmapKernel
 from sparsecc.kernels.csr import TILE_K, CsrKernelWeight, slot
 from sparsecc.runtime import loader
 
+from conftest import host_program, requires_nvcc
 from kernel_families.test_csr import unstructured
+from sparsecc.codegen.render import render
 
 
 def rebuilt_tile(packed, tile):
@@ -143,3 +147,61 @@ def test_a_kernel_of_another_bitmap_layout_is_refused_with_the_reason():
         loader.get(other)
     with pytest.raises(SparseccError, match="is not loaded in this process"):
         loader.get(current)
+
+
+#: appended to the rendered kernel: rebuild every tile of a packed weight read from a file with the
+#: kernel's own scatter_word, its tile_count and bits_offset (the metadata layout as the kernel
+#: reads it), each word's values starting at its group's offset plus its lower words' set bits
+REBUILD = r"""
+#include <cstdlib>
+#include <fstream>
+#include <vector>
+int main(int argc, char** argv) {
+  using namespace SYMBOL_types;
+  const int n = std::atoi(argv[1]), k = std::atoi(argv[2]), count = std::atoi(argv[3]), words = std::atoi(argv[4]);
+  std::vector<Element> values(count + 1);
+  std::vector<int> meta(words);
+  std::ifstream in(argv[5], std::ios::binary);
+  in.read(reinterpret_cast<char*>(values.data()), count * sizeof(Element));
+  in.read(reinterpret_cast<char*>(meta.data()), words * sizeof(int));
+  const int tiles = tile_count(n, k);
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(meta.data() + bits_offset(n, k));
+  std::vector<Element> dense(size_t(tiles) * kBlockH * kTileK, Element(0.f));
+  for (int t = 0; t < tiles; ++t)
+    for (int w = 0; w < kWords; ++w) {
+      int lower = 0;
+      for (int v = w / 32 * 32; v < w; ++v) lower += __builtin_popcount(bits[size_t(t) * kWords + v]);
+      scatter_word(bits[size_t(t) * kWords + w], w, values.data(), meta[t * kGroups + w / 32] + lower,
+                   dense.data() + size_t(t) * kBlockH * kTileK);
+    }
+  std::ofstream(argv[6], std::ios::binary).write(reinterpret_cast<const char*>(dense.data()),
+                                                 dense.size() * sizeof(Element));
+  return 0;
+}
+"""
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_the_kernels_own_scatter_rebuilds_every_tile(tmp_path, gen):
+    """The template's scatter_word, tile_count and bits_offset, compiled for the host, rebuild every
+    dense tile of a packed weight (odd K, an empty row, a full tile) exactly at its slots."""
+    spec = KernelSpec(Family.BITMAP_SM90, "float16", tile=(64, 16, 2048))
+    program = host_program(render(spec) + REBUILD.replace("SYMBOL", spec.symbol), tmp_path)
+    weight = unstructured(192, 1040, 0.3, gen, torch.float16)
+    weight[5] = 0
+    weight[64:128, :64] = torch.randn(64, 64, generator=gen).half()
+    packed = BitmapKernelWeight.pack(weight)
+    (tmp_path / "packed.bin").write_bytes(packed.values.numpy().tobytes() + packed.metadata.numpy().tobytes())
+    subprocess.run([str(program), "192", "1040", str(packed.values.numel()), str(packed.metadata.numel()),
+                    str(tmp_path / "packed.bin"), str(tmp_path / "dense.bin")], check=True)
+    tiles = torch.frombuffer(bytearray((tmp_path / "dense.bin").read_bytes()), dtype=torch.float16)
+    tiles = tiles.view(packed.tile_count, 64 * TILE_K)
+    row, column = torch.meshgrid(torch.arange(64), torch.arange(TILE_K), indexing="ij")
+    k_tiles = -(-1040 // TILE_K)
+    for tile in range(packed.tile_count):
+        expected = torch.zeros(64, TILE_K, dtype=torch.float16)
+        part = weight[tile // k_tiles * 64:tile // k_tiles * 64 + 64, tile % k_tiles * TILE_K:][:, :TILE_K]
+        expected[:, :part.shape[1]] = part
+        assert torch.equal(tiles[tile][slot(row, column)], expected), tile

@@ -5,7 +5,8 @@
 # names other paths) and the kernel benchmark. Logs and results go to $OUT.
 # KERNELS=small-batch prebuilds only what the small-batch tests need, KERNELS=dense what
 # kernels_gemm.py --dense-only sweeps, KERNELS=tune-24 what tuning 2:4 weights times
-# (unseen_shapes.py), KERNELS=fp8-24 the FP8 2:4 GEMM's, KERNELS=csr-split what the split CSR tests and
+# (unseen_shapes.py), KERNELS=fp8-24 the FP8 2:4 GEMM's, KERNELS=unstructured the bitmap kernel's and
+# the tiled CSR kernels' (kernels_csr.py --tiled-only), KERNELS=csr-split what the split CSR tests and
 # kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
 # (e2e.py, decode.py, kernels_gemm.py, cost_model.py, unseen_shapes.py, kernels_fp8.py and generate.py run only when

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from sparsecc.codegen.spec import Family, KernelSpec, Scheduler
-from sparsecc.kernels import tune
+from sparsecc.codegen.spec import CSR_CAPACITIES, Family, KernelSpec, Scheduler
+from sparsecc.kernels import csr, tune
 from sparsecc.kernels.base import KernelFamily
 from sparsecc.kernels.csr_split import residual_spec
 from sparsecc.kernels.dense import SMALL as DENSE_SMALL
@@ -146,12 +146,22 @@ def fp8_24_session_specs() -> list[KernelSpec]:
     return declared_test_kernels("kernel_families.test_sparse24_fp8_gpu")
 
 
+def unstructured_session_specs() -> list[KernelSpec]:
+    """What the bitmap kernel's tests and ``kernels_csr.py --tiled-only`` run: every bitmap kernel
+    (both tiles of x's rows, every capacity, both dtypes) and the tiled CSR kernels' dispatch at
+    every capacity."""
+    specs = declared_test_kernels("kernel_families.test_bitmap_gpu")
+    for dtype in (torch.float16, torch.bfloat16):
+        specs += [launch.spec for capacity in CSR_CAPACITIES for _, launch in csr.dispatch(dtype, capacity)]
+    return list(dict.fromkeys(specs))
+
+
 def named_session_specs(name: str | None) -> list[KernelSpec]:
     """The kernels of a session by gpu_session.sh's KERNELS: "small-batch", "csr-split",
-    "dense", "tune-24", "fp8-24", or anything else for :func:`session_specs`."""
+    "dense", "tune-24", "fp8-24", "unstructured", or anything else for :func:`session_specs`."""
     return {"small-batch": small_batch_session_specs, "csr-split": csr_split_session_specs,
             "dense": dense_session_specs, "tune-24": sparse24_tuning_session_specs,
-            "fp8-24": fp8_24_session_specs}.get(name, session_specs)()
+            "fp8-24": fp8_24_session_specs, "unstructured": unstructured_session_specs}.get(name, session_specs)()
 
 
 def main(argv=None) -> None:
@@ -159,8 +169,8 @@ def main(argv=None) -> None:
     from sparsecc.runtime.build import KernelCache, build
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cache", nargs="?", help="the kernel cache to build into (default: sparsecc's)")
-    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense, tune-24, fp8-24 "
-                                                "(default: session_specs)")
+    parser.add_argument("name", nargs="?", help="the session's kernels: small-batch, csr-split, dense, tune-24, fp8-24, "
+                                                "unstructured (default: session_specs)")
     args = parser.parse_args(argv)
     specs = named_session_specs(args.name)
     print(len(specs), "kernels", flush=True)

@@ -177,6 +177,27 @@ def test_csr_on_the_kernels_is_predicted_as_the_faster_of_the_tiled_kernel_and_t
     assert model.predict_us(refused, csr, 2048, 2048) == tiled(refused, 2048)
 
 
+def test_opted_in_bitmap_kernel_is_priced_as_the_tiled_kernel_with_its_own_bytes(gen, monkeypatch):
+    """With SPARSECC_OPT_IN=bitmap a CSR site may also run on the bitmap kernel: priced with the
+    tiled kernel's calibration on its own work (the same steps, 2 bytes a value and a bit an element
+    against 4 bytes an entry), it is predicted faster at density 0.5 where bytes bound small batches,
+    and the site's prediction is the fastest of the ways it may run."""
+    model, csr = _h100(), FormatSpec("csr")
+    stats = analyze(unstructured(4096, 4096, 0.5, gen).half())
+
+    def each(m):
+        return {w[0].impl: sum(model._predict_workload(x) for x in w) for w in model.workloads(stats, csr, m, m)}
+    assert "bitmap-kernel" not in each(16)
+    monkeypatch.setenv("SPARSECC_OPT_IN", "bitmap")
+    for m in (1, 16):
+        times = each(m)
+        assert times["bitmap-kernel"] < times["csr-kernel"], times
+        assert model.predict_us(stats, csr, m, m) == min(times.values())
+    tiled_bytes = work(model.workload(stats, csr, 16, 16))[1]
+    bitmap = next(w[0] for w in model.workloads(stats, csr, 16, 16) if w[0].impl == "bitmap-kernel")
+    assert work(bitmap)[1] < 0.6 * tiled_bytes
+
+
 def test_24_reason_names_the_kernel_the_planned_batch_runs_on(gen):
     """A 2:4 site's reason names the kernel its planned batch takes: the CUDA-core small-batch
     kernel at M=1, the tensor-core one where the tuning table has it ahead of the GEMM (M=16 on

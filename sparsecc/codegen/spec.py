@@ -39,6 +39,7 @@ class Family(str, enum.Enum):
     CSR_SM90 = "csr_sm90"
     CSR_WGMMA_SM90 = "csr_wgmma_sm90"
     BITMAP_SM90 = "bitmap_sm90"
+    BITMAP_WGMMA_SM90 = "bitmap_wgmma_sm90"
     RESIDUAL_SM90 = "residual_sm90"
     SPMM_SM90 = "spmm_sm90"
     QUANTIZE_E4M3 = "quantize_e4m3"
@@ -79,13 +80,18 @@ class Family(str, enum.Enum):
     def csr(self) -> bool:
         """An unstructured sparse kernel (tile = rows of a weight tile, rows of x, entries per tile):
         the tiled CSR kernels and the bitmap kernel, which shares their pipeline."""
-        return self.value.startswith("csr") or self is Family.BITMAP_SM90
+        return self.value.startswith(("csr", "bitmap"))
 
     @property
     def bitmap(self) -> bool:
         """An unstructured kernel whose tiles store a bit per element and their non-zeros' values
         (sparsecc.kernels.bitmap) instead of a value and a slot per non-zero."""
-        return self is Family.BITMAP_SM90
+        return self.value.startswith("bitmap")
+
+    @property
+    def csr_wgmma(self) -> bool:
+        """An unstructured kernel on wgmma (csr_wgmma_sm90's pipeline: one tile a step, 64 or 128 rows of x)."""
+        return self in (Family.CSR_WGMMA_SM90, Family.BITMAP_WGMMA_SM90)
 
     @property
     def per_entry(self) -> bool:
@@ -201,10 +207,11 @@ TILES[Family.CSR_SM90] = {(CSR_TILE_N, m, c) for m in CSR_TILE_M for c in CSR_SM
 #: rows of x per CTA of the wgmma CSR kernel: one consumer warpgroup of 64 rows, or two
 CSR_WGMMA_TILE_M = (64, 128)
 TILES[Family.CSR_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for c in CSR_CAPACITIES}
-#: the bitmap kernel (csr_sm90's pipeline on the bitmap packing): tiles of 64 rows, 16 or 32 rows of
-#: x per CTA, the stored values a tile may have (padded to 8)
+#: the bitmap kernels (the CSR kernels' pipelines on the bitmap packing): tiles of 64 rows, rows of x
+#: per CTA (16 or 32 on mma.sync, 64 or 128 on wgmma), the stored values a tile may have (padded to 8)
 BITMAP_TILE_M = (16, 32)
 TILES[Family.BITMAP_SM90] = {(CSR_TILE_N, m, c) for m in BITMAP_TILE_M for c in CSR_SM90_CAPACITIES}
+TILES[Family.BITMAP_WGMMA_SM90] = {(CSR_TILE_N, m, c) for m in CSR_WGMMA_TILE_M for c in CSR_CAPACITIES}
 #: the version of the bitmap packing (sparsecc.kernels.bitmap), part of the bitmap kernels' symbols
 #: as CSR_LAYOUT is of the CSR kernels'
 BITMAP_LAYOUT = 1
@@ -226,7 +233,7 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_SPARSE24_FP8:
                 Family.BSR_SM90_PAIRS: (64, 64, 256),
                 Family.BSR_MMA_SM90: (64, 64, 16),
                 Family.CSR_SM90: (CSR_TILE_N, 64, 1024), Family.CSR_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
-                Family.BITMAP_SM90: (CSR_TILE_N, 16, 1024),
+                Family.BITMAP_SM90: (CSR_TILE_N, 16, 1024), Family.BITMAP_WGMMA_SM90: (CSR_TILE_N, 64, 1024),
                 Family.RESIDUAL_SM90: (8, 256, 12288),
                 Family.SPMM_SM90: (8, 256, 12288), Family.QUANTIZE_E4M3: (256, 8, 1)}
 CLUSTERS = {(1, 1), (1, 2), (2, 1), (2, 2)}
@@ -318,7 +325,7 @@ class KernelSpec:
         tiles of up to 32 rows, two for 64, one for 128, halved while three stages do not fit
         (large tile capacities); one for csr_wgmma_sm90."""
         _, tile_m, capacity = self.tile
-        if self.family is Family.CSR_WGMMA_SM90:
+        if self.family.csr_wgmma:
             return 1
         tiles = {16: 4, 32: 4, 64: 2, 128: 1}[tile_m]
         while tiles > 1 and _csr_stages_fitting(tile_m, capacity, tiles, self.family.bitmap) < 3:

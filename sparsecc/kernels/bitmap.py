@@ -1,12 +1,14 @@
-"""Unstructured sparse weights as bits and values, on the CSR kernel's pipeline
-(templates/bitmap_sm90.cu.j2, which is templates/csr_sm90.cu.j2 reading this packing).
+"""Unstructured sparse weights as bits and values, on the CSR kernels' pipelines
+(templates/bitmap_sm90.cu.j2 and bitmap_wgmma_sm90.cu.j2: csr_sm90 and csr_wgmma_sm90 reading
+this packing).
 
 The tiled CSR packing (:mod:`sparsecc.kernels.csr`) stores a 16-bit value and a 16-bit slot per
 non-zero: 4d bytes an element at density d, as many as dense at d = 0.5. The bitmap packing
 stores a bit per element and the non-zeros' values only: 2d + 1/8 bytes an element (1.125 at
-d = 0.5, 0.725 at 0.3, 0.325 at 0.1), and the kernel's helper warps rebuild each dense tile in
-shared memory from the bits, where the CSR kernel's scatter each entry to its slot. Everything
-else (tiles of 64 x 64, the multiplying warps, the K slices, the epilogue) is the CSR kernel's.
+d = 0.5, 0.725 at 0.3, 0.325 at 0.1), and the kernels' helper warps rebuild each dense tile in
+shared memory from the bits, where the CSR kernels' scatter each entry to its slot. Everything
+else (tiles of 64 x 64, the multiplying warps, the K slices, the epilogue, the M dispatch) is the
+CSR kernels'.
 
 The layout, per tile of :data:`~sparsecc.codegen.spec.CSR_TILE_N` rows x :data:`TILE_K` columns
 (tiles by row of tiles, then by column):
@@ -31,23 +33,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..codegen.spec import CSR_CAPACITIES, CSR_SM90_CAPACITIES, CSR_TILE_N, Family, KernelSpec
+from ..codegen.spec import CSR_CAPACITIES, CSR_TILE_N, Family, KernelSpec
 from ..errors import InputError
 from ..ir.analysis import WeightStats
 from ..ir.formats import INDEX_DTYPE, FormatSpec
 from ..ir.workload import Workload, dtype_name, element_size
 from ..runtime.kernel_op import ensure
-from .base import Buckets, KernelFamily, Launch, check_cuda_weight
-from .csr import (TILE_K, TiledKernelWeight, capacity_for, expected_capacity, k_slices, metadata_header,
-                  shape_supported, slot)
+from .base import KernelFamily, Launch, check_cuda_weight
+from . import csr
+from .csr import (CSR_BUCKETS, TILE_K, TiledKernelWeight, capacity_for, expected_capacity, k_slices, metadata_header,
+                  resident_ctas, shape_supported, slot, tile_m_for)
 
 #: 32-bit words of bits per tile
 WORDS = CSR_TILE_N * TILE_K // 32
 #: value groups per tile: the words of one helper warp (32) each
 GROUPS = WORDS // 32
-#: the bitmap kernel's M buckets: 16 rows of x per CTA up to 16 rows, 32 beyond
-BITMAP_BUCKETS = Buckets((1, 16), 32)
-TILE_M = {1: 16, 16: 16, 0: 32}
 
 
 def bit_positions() -> torch.Tensor:
@@ -63,13 +63,15 @@ def bit_positions() -> torch.Tensor:
 
 def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
     """The bitmap kernel for ``tile_m`` rows of x per CTA on a packing whose fullest tile needs
-    ``capacity`` values (built for the smallest capacity of csr_sm90's that holds it)."""
-    return KernelSpec(Family.BITMAP_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity_for(capacity, CSR_SM90_CAPACITIES)))
+    ``capacity`` values: bitmap_sm90 for 16 and 32 rows, bitmap_wgmma_sm90 for 64 and 128."""
+    return csr.kernel_spec(dtype, tile_m, capacity, bitmap=True)
 
 
 def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
-    """The bitmap launch per M bucket for a weight whose fullest tile needs ``capacity`` values."""
-    return [(bound, Launch(kernel_spec(dtype_name(dtype), TILE_M[bound], capacity))) for bound, _ in BITMAP_BUCKETS]
+    """The bitmap launch per M bucket (the tiled CSR kernels' buckets and tiles of x's rows) for a
+    weight whose fullest tile needs ``capacity`` values."""
+    return [(bound, Launch(kernel_spec(dtype_name(dtype), csr.DEFAULT_TILE_M[bound], capacity)))
+            for bound, _ in CSR_BUCKETS]
 
 
 @dataclass
@@ -144,7 +146,7 @@ class BitmapTiled(KernelFamily):
 
     name = "bitmap"
     kind = "csr"
-    templates = (Family.BITMAP_SM90,)
+    templates = (Family.BITMAP_SM90, Family.BITMAP_WGMMA_SM90)
     unit = "sparsecc's bitmap kernel (tensor cores)"
     impls = ("bitmap-kernel",)
     opt_in = True            # SPARSECC_OPT_IN=bitmap: priced like the tiled CSR kernel, not calibrated yet
@@ -177,8 +179,7 @@ class BitmapTiled(KernelFamily):
 
     def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
         n, k = stats.shape
-        tile_m = TILE_M[BITMAP_BUCKETS.bound_for(m)]
-        return [Workload("bitmap-kernel", stats.dtype, m, n, k, round(stats.density, 6), tile=(CSR_TILE_N, tile_m))]
+        return [Workload("bitmap-kernel", stats.dtype, m, n, k, round(stats.density, 6), tile=(CSR_TILE_N, tile_m_for(m)))]
 
     def priced_like(self, impl: str) -> str | None:
         """Until it has a calibration of its own, the CSR kernel's prices it (same pipeline)."""
@@ -200,4 +201,4 @@ class BitmapTiled(KernelFamily):
         ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
         splits = k_slices(math.ceil(w.n / CSR_TILE_N) * CSR_TILE_N, w.m, w.k, spec, sms)
         per_cta = math.ceil(math.ceil(w.k / TILE_K) / splits / spec.csr_step_tiles)
-        return per_cta * max(1.0, ctas * splits / (sms * 2))
+        return per_cta * max(1.0, ctas * splits / (sms * resident_ctas(spec)))

@@ -87,19 +87,22 @@ def capacity_for(fullest_tile: int, capacities: tuple[int, ...] = CSR_CAPACITIES
     return next(c for c in capacities if c >= fullest_tile)
 
 
-def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
+def kernel_spec(dtype: str, tile_m: int, capacity: int, bitmap: bool = False) -> KernelSpec:
     """The CSR kernel that runs ``tile_m`` rows of x per CTA on a packing of ``capacity``:
     csr_sm90 for 16 and 32 rows (built for the smallest of its capacities that holds it),
-    csr_wgmma_sm90 for 64 and 128 (a consumer warpgroup per 64 rows)."""
+    csr_wgmma_sm90 for 64 and 128 (a consumer warpgroup per 64 rows); with ``bitmap`` their
+    versions reading the bitmap packing (sparsecc.kernels.bitmap)."""
     if tile_m in CSR_WGMMA_TILE_M:
-        return KernelSpec(Family.CSR_WGMMA_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity))
-    return KernelSpec(Family.CSR_SM90, dtype, tile=(CSR_TILE_N, tile_m, capacity_for(capacity, CSR_SM90_CAPACITIES)))
+        family = Family.BITMAP_WGMMA_SM90 if bitmap else Family.CSR_WGMMA_SM90
+        return KernelSpec(family, dtype, tile=(CSR_TILE_N, tile_m, capacity))
+    family = Family.BITMAP_SM90 if bitmap else Family.CSR_SM90
+    return KernelSpec(family, dtype, tile=(CSR_TILE_N, tile_m, capacity_for(capacity, CSR_SM90_CAPACITIES)))
 
 
 def resident_ctas(spec: KernelSpec) -> int:
     """CTAs of ``spec`` an SM runs at once (the kernels' kCtasPerSm): two, one for the wgmma
     kernel's two warpgroups of 128 rows."""
-    return 1 if spec.family is Family.CSR_WGMMA_SM90 and spec.tile[1] >= 128 else 2
+    return 1 if spec.family.csr_wgmma and spec.tile[1] >= 128 else 2
 
 
 def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms: int) -> int:

@@ -6,13 +6,13 @@ import subprocess
 import pytest
 import torch
 
-from sparsecc.codegen.spec import (BITMAP_LAYOUT, BITMAP_TILE_M, CSR_SM90_CAPACITIES, TILES, Family, KernelSpec)
+from sparsecc.codegen.spec import BITMAP_LAYOUT, TILES, Family, KernelSpec
 from sparsecc.errors import InputError, SparseccError
 from sparsecc.ir.analysis import analyze
 from sparsecc.ir.formats import CSR, NM_2_4
-from sparsecc.kernels.bitmap import (BITMAP_BUCKETS, GROUPS, WORDS, BitmapKernelWeight, BitmapTiled, bit_positions,
-                                     dispatch)
+from sparsecc.kernels.bitmap import GROUPS, WORDS, BitmapKernelWeight, BitmapTiled, bit_positions, dispatch
 from sparsecc.kernels.csr import TILE_K, CsrKernelWeight, slot
+from sparsecc.kernels.csr import dispatch as csr_dispatch
 from sparsecc.runtime import loader
 
 from conftest import host_program, requires_nvcc
@@ -103,10 +103,10 @@ def test_capacity_is_the_fullest_tiles_padded_values(gen):
     assert empty.values.numel() == 0 and empty.capacity == 256 and (empty.bits == 0).all()
 
 
-def test_every_kernel_fits_two_ctas_an_sm():
-    """The template's shared memory: per stage x's columns, the values and the bits of its tiles;
+def test_every_mma_kernel_fits_two_ctas_an_sm():
+    """bitmap_sm90's shared memory: per stage x's columns, the values and the bits of its tiles;
     the dense tile twice and the group offsets of a slice (4048 bytes): within 113 KB, three
-    stages at least."""
+    stages at least. (bitmap_wgmma_sm90 asserts its own fit when it compiles.)"""
     for tile in TILES[Family.BITMAP_SM90]:
         spec = KernelSpec(Family.BITMAP_SM90, "float16", tile=tile)
         step_k = 64 * spec.csr_step_tiles
@@ -116,13 +116,18 @@ def test_every_kernel_fits_two_ctas_an_sm():
         assert spec.symbol.endswith(f"_l{BITMAP_LAYOUT}") and spec.family.csr and spec.family.own_launch
 
 
-def test_dispatch_runs_16_rows_of_x_per_cta_up_to_16_and_32_beyond():
-    table = dispatch(torch.bfloat16, 700)
-    assert [bound for bound, _ in table] == [bound for bound, _ in BITMAP_BUCKETS]
-    assert [launch.spec.tile for _, launch in table] == [(64, 16, 1024), (64, 16, 1024), (64, 32, 1024)]
-    assert {launch.spec.family for _, launch in table} == {Family.BITMAP_SM90}
-    assert all(launch.spec.tile[1] in BITMAP_TILE_M and launch.spec.tile[2] in CSR_SM90_CAPACITIES
-               for _, launch in table)
+def test_dispatch_is_the_tiled_csr_kernels_on_the_bitmap_packing():
+    """The same buckets and rows of x per CTA as the tiled CSR kernels: mma.sync up to 16 rows
+    (built for the capacities it has: 1536 runs on 2048), wgmma beyond."""
+    for capacity in (1536, 4096):
+        table = dispatch(torch.bfloat16, capacity)
+        csr_table = csr_dispatch(torch.bfloat16, capacity)
+        assert [bound for bound, _ in table] == [bound for bound, _ in csr_table]
+        assert [launch.spec.tile for _, launch in table] == [launch.spec.tile for _, launch in csr_table]
+        assert [launch.spec.family for _, launch in table] == [
+            {Family.CSR_SM90: Family.BITMAP_SM90, Family.CSR_WGMMA_SM90: Family.BITMAP_WGMMA_SM90}[launch.spec.family]
+            for _, launch in csr_table]
+    assert dispatch(torch.float16, 1536)[0][1].spec.tile == (64, 16, 2048)
 
 
 def test_refusals_name_the_bitmap_kernel():

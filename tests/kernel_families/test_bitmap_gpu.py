@@ -1,11 +1,12 @@
-"""The bitmap kernel on the GPU (skipped without a Hopper GPU and nvcc): both tiles of x's rows
-and every capacity against an fp64 reference, on random unstructured weights with odd K, empty
+"""The bitmap kernels on the GPU (skipped without a Hopper GPU and nvcc): bitmap_sm90 and
+bitmap_wgmma_sm90, every tile of x's rows and every capacity against an fp64 reference, on random unstructured weights with odd K, empty
 rows, a fully empty and a fully dense weight, every activation, batch sizes split over K and
 not, poisoned outputs, NaN/Inf like dense, and CUDA graphs."""
 import pytest
 import torch
 
-from sparsecc.codegen.spec import BITMAP_TILE_M, CSR_CAPACITIES, CSR_SM90_CAPACITIES, Family, KernelSpec
+from sparsecc.codegen.spec import (BITMAP_TILE_M, CSR_CAPACITIES, CSR_SM90_CAPACITIES, CSR_WGMMA_TILE_M, Family,
+                                   KernelSpec)
 from sparsecc.ir.epilogue import ACTIVATION_CODES
 from sparsecc.ir.formats import CSR
 from sparsecc.ir.workload import dtype_name
@@ -24,8 +25,11 @@ BITMAP = BitmapTiled()
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = list(dict.fromkeys(
     [launch.spec for dtype in DTYPES for capacity in CSR_CAPACITIES for _, launch in dispatch(dtype, capacity)]
-    + [KernelSpec(Family.BITMAP_SM90, dtype_name(dtype), tile=(64, tile_m, capacity))
-       for dtype in DTYPES for tile_m in BITMAP_TILE_M for capacity in CSR_SM90_CAPACITIES]))
+    + [KernelSpec(family, dtype_name(dtype), tile=(64, tile_m, capacity))
+       for dtype in DTYPES
+       for family, tiles_m, capacities in ((Family.BITMAP_SM90, BITMAP_TILE_M, CSR_SM90_CAPACITIES),
+                                           (Family.BITMAP_WGMMA_SM90, CSR_WGMMA_TILE_M, CSR_CAPACITIES))
+       for tile_m in tiles_m for capacity in capacities]))
 
 
 def packed(w):
@@ -36,18 +40,21 @@ def packed(w):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_m", BITMAP_TILE_M)
-def test_both_tiles_and_every_batch_size_match_fp64(tile_m, dtype):
-    """Each tile of x's rows on a weight with K not a multiple of 64 (the last tile partial) and an
-    empty row, M from 1 to past the tile, with bias and ReLU, into a poisoned y; small batches
-    split over K (the workspace poisoned too)."""
+@pytest.mark.parametrize("family, tile_m", [(Family.BITMAP_SM90, m) for m in BITMAP_TILE_M]
+                         + [(Family.BITMAP_WGMMA_SM90, m) for m in CSR_WGMMA_TILE_M], ids=str)
+def test_every_kernel_tile_and_batch_size_matches_fp64(family, tile_m, dtype):
+    """Each kernel and tile of x's rows on a weight with K not a multiple of 64 (the last tile
+    partial) and an empty row, M from 1 to past the tile, with bias and ReLU, into a poisoned y;
+    small batches split over K (the workspace poisoned too)."""
     w = weight(192, 2000, 0.2, dtype, seed=tile_m)
     bitmap = packed(w)
-    spec = KernelSpec(Family.BITMAP_SM90, dtype_name(dtype), tile=(64, tile_m, bitmap.capacity))
+    capacity = bitmap.capacity if family is Family.BITMAP_WGMMA_SM90 else {1536: 2048}.get(bitmap.capacity,
+                                                                                          bitmap.capacity)
+    spec = KernelSpec(family, dtype_name(dtype), tile=(64, tile_m, capacity))
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
     split = False
-    for m in (1, 2, 7, 16, 33, 64, 130):
+    for m in (1, 2, 7, 16, 33, 64, 130, 1000):
         x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
         y, workspace = launch_poisoned(spec, bitmap, x, bias, "relu")
         split |= workspace > 0
@@ -64,7 +71,7 @@ def test_every_capacity(capacity):
     bitmap = packed(w)
     assert bitmap.capacity == capacity
     gen = torch.Generator().manual_seed(2)
-    for m in (4, 40):
+    for m in (4, 40, 300):
         x = torch.randn(m, w.shape[1], generator=gen).half().cuda()
         assert rel_error(run(bitmap, x), reference(x, w, None, "none")) <= TOLERANCE[torch.float16], m
 
@@ -76,7 +83,7 @@ def test_model_sized_weights(density, dtype):
     w = weight(4096, 4096, density, dtype, seed=int(density * 10))
     bitmap = packed(w)
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 16, 64):
+    for m in (1, 16, 64, 2048):
         x = torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda()
         assert rel_error(run(bitmap, x), reference(x, w, None, "none")) <= TOLERANCE[dtype], m
 
@@ -87,7 +94,7 @@ def test_every_activation_with_and_without_bias(activation):
     bitmap = packed(w)
     gen = torch.Generator().manual_seed(4)
     bias = torch.randn(w.shape[0], generator=gen).bfloat16().cuda()
-    for m in (5, 20):
+    for m in (5, 257):
         x = torch.randn(m, w.shape[1], generator=gen).bfloat16().cuda()
         for b in (None, bias):
             error = rel_error(run(bitmap, x, b, activation), reference(x, w, b, activation))
@@ -117,7 +124,7 @@ def test_nan_and_inf_propagate_like_dense(dtype):
     bitmap = packed(w)
     gen = torch.Generator().manual_seed(10)
     bias = torch.randn(w.shape[0], generator=gen).to(dtype).cuda()
-    for m in (8, 40):
+    for m in (8, 200):
         x = with_nonfinite(torch.randn(m, w.shape[1], generator=gen).to(dtype).cuda())
         assert_same_nonfinite(run(bitmap, x, bias, "relu"), ieee_reference(x, w, bias, "relu").to(dtype), dtype)
 
@@ -125,6 +132,6 @@ def test_nan_and_inf_propagate_like_dense(dtype):
 def test_graph_replay_matches_eager():
     w = weight(512, 1024, 0.1, torch.float16, seed=11)
     bitmap = packed(w)
-    for m in (4, 48):
+    for m in (4, 512):
         x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m)).half().cuda()
         assert replays_like_eager(lambda x: run(bitmap, x, None, "gelu_tanh"), x), m

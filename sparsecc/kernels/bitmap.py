@@ -33,16 +33,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..codegen.spec import CSR_CAPACITIES, CSR_TILE_N, Family, KernelSpec
+from ..codegen.spec import CSR_TILE_N, Family
 from ..errors import InputError
 from ..ir.analysis import WeightStats
-from ..ir.formats import INDEX_DTYPE, FormatSpec
-from ..ir.workload import Workload, dtype_name, element_size
-from ..runtime.kernel_op import ensure
-from .base import KernelFamily, Launch, check_cuda_weight
+from ..ir.formats import INDEX_DTYPE
+from ..ir.workload import Workload, element_size
 from . import csr
-from .csr import (CSR_BUCKETS, TILE_K, TiledKernelWeight, capacity_for, expected_capacity, k_slices, metadata_header,
-                  resident_ctas, shape_supported, slot, tile_m_for)
+from .base import Launch
+from .csr import TILE_K, CsrTiled, TiledKernelWeight, capacity_for, metadata_header, slot
 
 #: 32-bit words of bits per tile
 WORDS = CSR_TILE_N * TILE_K // 32
@@ -61,17 +59,11 @@ def bit_positions() -> torch.Tensor:
     return element_of_slot[(bits * WORDS + words).reshape(-1)]
 
 
-def kernel_spec(dtype: str, tile_m: int, capacity: int) -> KernelSpec:
-    """The bitmap kernel for ``tile_m`` rows of x per CTA on a packing whose fullest tile needs
-    ``capacity`` values: bitmap_sm90 for 16 and 32 rows, bitmap_wgmma_sm90 for 64 and 128."""
-    return csr.kernel_spec(dtype, tile_m, capacity, bitmap=True)
-
-
 def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
-    """The bitmap launch per M bucket (the tiled CSR kernels' buckets and tiles of x's rows) for a
-    weight whose fullest tile needs ``capacity`` values."""
-    return [(bound, Launch(kernel_spec(dtype_name(dtype), csr.DEFAULT_TILE_M[bound], capacity)))
-            for bound, _ in CSR_BUCKETS]
+    """The bitmap launch per M bucket for a weight whose fullest tile needs ``capacity`` values: the
+    tiled CSR kernels' buckets and tiles of x's rows, bitmap_sm90 up to 16 rows, bitmap_wgmma_sm90
+    beyond."""
+    return csr.dispatch(dtype, capacity, bitmap=True)
 
 
 @dataclass
@@ -141,35 +133,18 @@ class BitmapKernelWeight(TiledKernelWeight):
         return int((tile_ptr[1:] - tile_ptr[:-1]).max()) if self.tile_count else 0
 
 
-class BitmapTiled(KernelFamily):
-    """Unstructured weights on the bitmap kernel (see the module docstring)."""
+class BitmapTiled(CsrTiled):
+    """Unstructured weights on the bitmap kernels: the tiled CSR family on the bitmap packing (see
+    the module docstring)."""
 
     name = "bitmap"
-    kind = "csr"
     templates = (Family.BITMAP_SM90, Family.BITMAP_WGMMA_SM90)
-    unit = "sparsecc's bitmap kernel (tensor cores)"
+    unit = "sparsecc's bitmap kernels (tensor cores)"
     impls = ("bitmap-kernel",)
     opt_in = True            # SPARSECC_OPT_IN=bitmap: priced like the tiled CSR kernel, not calibrated yet
-
-    def refuses(self, spec, shape, dtype):
-        if spec.kind != "csr":
-            return f"it runs CSR, not {spec}"
-        reason = shape_supported(*shape, dtype)
-        return reason.replace("CSR kernel", "bitmap kernel") if reason else None
-
-    def pack(self, weight, spec, m, *, tune_range=None, progress=False):
-        check_cuda_weight(weight, self.refuses(spec, tuple(weight.shape), weight.dtype))
-        packed = BitmapKernelWeight.pack(weight)
-        table = dispatch(weight.dtype, packed.capacity)
-        ensure([launch.spec for _, launch in table], progress=progress)
-        return packed.running(table)
-
-    def kernel_specs(self, dtype, shape, spec, density, m):
-        """The kernels of every capacity a weight of this density may need (its fullest tile is
-        not known until it is packed: the expected one and above)."""
-        expected = expected_capacity(density)
-        return list(dict.fromkeys(launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
-                                  for _, launch in dispatch(dtype, capacity)))
+    packing = BitmapKernelWeight
+    bitmap = True
+    kernel = "the bitmap kernel"
 
     def nbytes(self, stats: WeightStats, element: int) -> int:
         """The packing's bytes: the values (counts padded to 8), a bit per element, the group offsets."""
@@ -177,28 +152,10 @@ class BitmapTiled(KernelFamily):
         tiles = n // CSR_TILE_N * math.ceil(k / TILE_K)
         return round((stats.nnz + 3.5 * tiles) * element) + tiles * (WORDS + GROUPS) * 4 + 16
 
-    def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
-        n, k = stats.shape
-        return [Workload("bitmap-kernel", stats.dtype, m, n, k, round(stats.density, 6), tile=(CSR_TILE_N, tile_m_for(m)))]
+    def weight_bytes(self, w: Workload) -> float:
+        """A value per stored element and a bit per element."""
+        return w.density * w.n * w.k * element_size(w.dtype) + w.n * w.k / 8
 
     def priced_like(self, impl: str) -> str | None:
-        """Until it has a calibration of its own, the CSR kernel's prices it (same pipeline)."""
+        """Until it has a calibration of its own, the tiled CSR kernel's prices it (same pipeline)."""
         return "csr-kernel" if impl == "bitmap-kernel" else None
-
-    def work(self, w, sms):
-        """Every tile multiplied densely (x's rows padded to the tile, K to 64); 2 bytes per stored
-        value and a bit per element read, x and y once."""
-        e = element_size(w.dtype)
-        tile_m = (w.tile or (CSR_TILE_N, 16))[1]
-        rows = math.ceil(w.m / tile_m) * tile_m
-        act = (w.m * w.k + w.m * w.n) * e
-        return 2.0 * rows * w.n * math.ceil(w.k / TILE_K) * TILE_K, w.density * w.n * w.k * e + w.n * w.k / 8 + act
-
-    def steps(self, w, sms):
-        """The K steps of one CTA times the CTAs each resident slot runs (as the CSR kernel's)."""
-        tile_m = (w.tile or (CSR_TILE_N, 16))[1]
-        spec = kernel_spec("float16", tile_m, expected_capacity(w.density))
-        ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
-        splits = k_slices(math.ceil(w.n / CSR_TILE_N) * CSR_TILE_N, w.m, w.k, spec, sms)
-        per_cta = math.ceil(math.ceil(w.k / TILE_K) / splits / spec.csr_step_tiles)
-        return per_cta * max(1.0, ctas * splits / (sms * resident_ctas(spec)))

@@ -63,12 +63,14 @@ def coordinates(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row, ((((slots >> 3) & 7) ^ (row & 7)) << 3) + (slots & 7)
 
 
-def shape_supported(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
-    """Why a weight of this shape and dtype cannot use the CSR kernel, or None."""
+def shape_supported(out_features: int, in_features: int, dtype: torch.dtype,
+                    kernel: str = "the CSR kernel") -> str | None:
+    """Why a weight of this shape and dtype cannot use the tiled kernels (named ``kernel`` in the
+    reason), or None."""
     if dtype not in KERNEL_DTYPES:
-        return f"the CSR kernel takes float16/bfloat16, not {dtype_name(dtype)}"
+        return f"{kernel} takes float16/bfloat16, not {dtype_name(dtype)}"
     if out_features % CSR_TILE_N or in_features % 16:
-        return (f"the CSR kernel needs N % {CSR_TILE_N} == 0 and K % 16 == 0 "
+        return (f"{kernel} needs N % {CSR_TILE_N} == 0 and K % 16 == 0 "
                 f"(this weight is {out_features}x{in_features})")
     return None
 
@@ -124,10 +126,11 @@ def k_slices(out_features: int, m: int, in_features: int, spec: KernelSpec, sms:
     return max(fewest, chosen)
 
 
-def dispatch(dtype: torch.dtype, capacity: int) -> list[tuple[int, Launch]]:
-    """The CSR launch per M bucket for a weight whose fullest tile needs ``capacity``."""
+def dispatch(dtype: torch.dtype, capacity: int, bitmap: bool = False) -> list[tuple[int, Launch]]:
+    """The CSR launch per M bucket for a weight whose fullest tile needs ``capacity`` (``bitmap``:
+    the kernels reading the bitmap packing)."""
     name = dtype_name(dtype)
-    return [(bound, Launch(kernel_spec(name, DEFAULT_TILE_M[bound], capacity))) for bound, _ in CSR_BUCKETS]
+    return [(bound, Launch(kernel_spec(name, DEFAULT_TILE_M[bound], capacity, bitmap))) for bound, _ in CSR_BUCKETS]
 
 
 def tile_m_for(m: int) -> int:
@@ -220,21 +223,27 @@ class CsrKernelWeight(TiledKernelWeight):
 
 
 class CsrTiled(KernelFamily):
-    """Unstructured weights on the tiled CSR kernels (see the module docstring)."""
+    """Unstructured weights on the tiled CSR kernels (see the module docstring). The bitmap family
+    (:mod:`sparsecc.kernels.bitmap`) is this one on another packing: ``packing`` (the weight class),
+    ``bitmap`` (the kernels that read it), ``kernel`` (how a refusal names them) and the bytes
+    a non-zero costs (:meth:`weight_bytes`, :meth:`nbytes`)."""
 
     name = "csr-tiled"
     kind = "csr"
     templates = (Family.CSR_SM90, Family.CSR_WGMMA_SM90)
     unit = "sparsecc's tiled CSR kernels (tensor cores)"
     impls = ("csr-kernel",)
+    packing: type[TiledKernelWeight] = CsrKernelWeight
+    bitmap = False
+    kernel = "the CSR kernel"
 
     def refuses(self, spec, shape, dtype):
-        return f"it runs CSR, not {spec}" if spec.kind != "csr" else shape_supported(*shape, dtype)
+        return f"it runs CSR, not {spec}" if spec.kind != "csr" else shape_supported(*shape, dtype, self.kernel)
 
     def pack(self, weight, spec, m, *, tune_range=None, progress=False):
         check_cuda_weight(weight, self.refuses(spec, tuple(weight.shape), weight.dtype))
-        packed = CsrKernelWeight.pack(weight)
-        table = dispatch(weight.dtype, packed.capacity)
+        packed = self.packing.pack(weight)
+        table = dispatch(weight.dtype, packed.capacity, self.bitmap)
         ensure([launch.spec for _, launch in table], progress=progress)
         return packed.running(table)
 
@@ -242,8 +251,8 @@ class CsrTiled(KernelFamily):
         """The kernels of every tile capacity a weight of this density may need: the fullest
         tile is not known until the weight is packed (the expected one and above)."""
         expected = expected_capacity(density)
-        return [launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
-                for _, launch in dispatch(dtype, capacity)]
+        return list(dict.fromkeys(launch.spec for capacity in CSR_CAPACITIES if capacity >= expected
+                                  for _, launch in dispatch(dtype, capacity, self.bitmap)))
 
     def nbytes(self, stats: WeightStats, element: int) -> int:
         """The packing's bytes: 16-bit slots, counts padded to 8, the tile offsets."""
@@ -253,22 +262,26 @@ class CsrTiled(KernelFamily):
 
     def workloads(self, stats: WeightStats, spec: FormatSpec, m: int, planned_m: int | None) -> list[Workload]:
         n, k = stats.shape
-        return [Workload("csr-kernel", stats.dtype, m, n, k, round(stats.density, 6), tile=(CSR_TILE_N, tile_m_for(m)))]
+        return [Workload(self.impls[0], stats.dtype, m, n, k, round(stats.density, 6), tile=(CSR_TILE_N, tile_m_for(m)))]
+
+    def weight_bytes(self, w: Workload) -> float:
+        """The weight's bytes a call reads: a value and a 16-bit slot per stored entry."""
+        return w.density * w.n * w.k * (element_size(w.dtype) + 2)
 
     def work(self, w, sms):
-        """Every tile multiplied densely (x's rows padded to the tile, K to 64), 4 bytes per
-        stored entry read, x and y once."""
+        """Every tile multiplied densely (x's rows padded to the tile, K to 64), the weight's bytes
+        (:meth:`weight_bytes`), x and y once."""
         e = element_size(w.dtype)
         tile_m = (w.tile or (CSR_TILE_N, 16))[1]
         rows = math.ceil(w.m / tile_m) * tile_m
         act = (w.m * w.k + w.m * w.n) * e
-        return 2.0 * rows * w.n * math.ceil(w.k / TILE_K) * TILE_K, w.density * w.n * w.k * (e + 2) + act
+        return 2.0 * rows * w.n * math.ceil(w.k / TILE_K) * TILE_K, self.weight_bytes(w) + act
 
     def steps(self, w, sms):
         """The K steps of one CTA (its slice of K over the tiles a stage holds) times the CTAs
         each resident slot runs."""
         tile_m = (w.tile or (CSR_TILE_N, 16))[1]
-        spec = kernel_spec("float16", tile_m, expected_capacity(w.density))
+        spec = kernel_spec("float16", tile_m, expected_capacity(w.density), self.bitmap)
         ctas = math.ceil(w.n / CSR_TILE_N) * math.ceil(w.m / tile_m)
         k_tiles = math.ceil(w.k / TILE_K)
         splits = k_slices(math.ceil(w.n / CSR_TILE_N) * CSR_TILE_N, w.m, w.k, spec, sms)

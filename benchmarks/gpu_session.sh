@@ -9,8 +9,9 @@
 # the tiled CSR kernels' (kernels_csr.py --tiled-only), KERNELS=csr-split what the split CSR tests and
 # kernels_csr.py --residual-modes need (kernel_set.py), KERNELS=none nothing.
 #   usage: OUT=/some/dir [E2E_ARGS="--models ..."] [BENCH_ARGS="..."] bash benchmarks/gpu_session.sh [pytest args...]
-# (e2e.py, decode.py, kernels_gemm.py, cost_model.py, unseen_shapes.py, kernels_fp8.py and generate.py run only when
-# E2E_ARGS / DECODE_ARGS / BENCH_ARGS / COST_ARGS / UNSEEN_ARGS / FP8_ARGS / GENERATE_ARGS are set, possibly empty; HOST=0 skips
+# (e2e.py, decode.py, kernels_gemm.py, cost_model.py, unseen_shapes.py, kernels_csr.py, kernels_fp8.py and generate.py
+# run only when E2E_ARGS / DECODE_ARGS / BENCH_ARGS / COST_ARGS / UNSEEN_ARGS / CSR_ARGS / FP8_ARGS / GENERATE_ARGS
+# are set, possibly empty; HOST=0 skips
 # host_overhead.py; TESTS=0 the tests)
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
@@ -75,6 +76,7 @@ wait $PROBE_PID 2>/dev/null
 [ -n "${E2E_ARGS+x}" ] && timeout ${E2E_TIMEOUT:-400} python3 benchmarks/e2e.py $E2E_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
 [ -n "${DECODE_ARGS+x}" ] && timeout ${DECODE_TIMEOUT:-300} python3 benchmarks/decode.py $DECODE_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -40
 [ -n "${BENCH_ARGS+x}" ] && timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/kernels_gemm.py $BENCH_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -25
+[ -n "${CSR_ARGS+x}" ] && timeout ${CSR_TIMEOUT:-300} python3 benchmarks/kernels_csr.py $CSR_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -30
 [ -n "${FP8_ARGS+x}" ] && timeout ${FP8_TIMEOUT:-300} python3 benchmarks/kernels_fp8.py $FP8_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -20
 [ -n "${GENERATE_ARGS+x}" ] && timeout ${GENERATE_TIMEOUT:-540} python3 benchmarks/generate.py $GENERATE_ARGS 2>&1 | tee -a "$OUT/session.log" | tail -20
 # unseen_shapes.py once per set of arguments in UNSEEN_ARGS, the sets separated by '|'

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +49,11 @@ WORDS = CSR_TILE_N * TILE_K // 32
 GROUPS = WORDS // 32
 
 
+@lru_cache(maxsize=1)
 def bit_positions() -> torch.Tensor:
     """For each bit of a tile in the packing's order (word ``w``, bit ``b`` at index ``w * 32 + b``),
-    the element it stands for, as ``row * TILE_K + column``: the one kept at slot ``b * WORDS + w``."""
+    the element it stands for, as ``row * TILE_K + column``: the one kept at slot ``b * WORDS + w``
+    (on the CPU; made once)."""
     rows, columns = torch.meshgrid(torch.arange(CSR_TILE_N), torch.arange(TILE_K), indexing="ij")
     slot_of_element = slot(rows.reshape(-1), columns.reshape(-1))
     element_of_slot = torch.empty_like(slot_of_element)

@@ -57,22 +57,23 @@ def by_impl(impl: str) -> KernelFamily | None:
     return next((family for family in FAMILIES if impl in family.impls), None)
 
 
-def enabled(family: KernelFamily) -> bool:
-    """Whether compile may use ``family``: every family but the opt-in ones, and those that
-    ``SPARSECC_OPT_IN`` names (an unknown name is an error)."""
-    names = settings().opt_in
-    unknown = set(names) - {f.name for f in FAMILIES if f.opt_in}
-    if unknown:
-        raise InputError(f"SPARSECC_OPT_IN names {sorted(unknown)}: the opt-in kernel families are "
-                         f"{sorted(f.name for f in FAMILIES if f.opt_in)}")
-    return not family.opt_in or family.name in names
+def opted_in() -> frozenset[str]:
+    """The opt-in families compile may use: those ``SPARSECC_OPT_IN`` names (an unknown name is an
+    error). The other families it always may."""
+    names = frozenset(settings().opt_in)
+    known = {f.name for f in FAMILIES if f.opt_in}
+    if names - known:
+        raise InputError(f"SPARSECC_OPT_IN names {sorted(names - known)}: the opt-in kernel families are "
+                         f"{sorted(known)}")
+    return names
 
 
 def serving(spec: FormatSpec) -> list[KernelFamily]:
     """The families that run the format ``spec`` (whatever the weight) and compile may use."""
     if spec.kind not in PLANNED_KINDS:
         return []
-    return [family for family in FAMILIES if family.kind == spec.kind and enabled(family)]
+    names = opted_in()
+    return [family for family in FAMILIES if family.kind == spec.kind and (not family.opt_in or family.name in names)]
 
 
 def refusal(spec: FormatSpec, shape: tuple[int, int], dtype: torch.dtype,

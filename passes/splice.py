@@ -10,18 +10,24 @@ and eager runs without dispatch overhead; a quantized site that stays dense call
 ``sparsecc::linear_fp8_scaled_mm`` where ``torch._scaled_mm`` takes its weight on its device
 (and its input's dtype; :func:`~sparsecc.runtime.torch_ops.fp8_dense_op`), else keeps the
 ``sparsecc::linear_fp8`` node fuse_epilogue made, and a packed one calls its format's FP8 op
-with the same scales; weights and modules nothing reads any more are dropped from the graph
-module (modules it shares with the original model are never modified: see :func:`_drop_unused`).
+with the same scales; the sites of a :class:`~sparsecc.ir.siblings.SiblingGroup` become one call
+of their format's op on the stacked weight, placed where the first of them was, whose output
+``torch.split`` shares out (each member's own activation after its split where the kernel applies
+none); weights and modules nothing reads any more are dropped from the graph module (modules it
+shares with the original model are never modified: see :func:`_drop_unused`).
 """
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from sparsecc.ir.epilogue import apply_activation
 from sparsecc.ir.formats import PackedWeight
+from sparsecc.ir.siblings import SiblingGroup
 from sparsecc.runtime.torch_ops import OP_FOR_FP8, OP_FOR_KIND, fp8_dense_op, linear_torch
 from sparsecc.ir.site import SITE_KEY
 
@@ -31,15 +37,19 @@ from .fuse_epilogue import erase_dead_inputs
 PACKED_MODULE = "sparsecc_packed"
 
 
-def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassResult:
-    """Apply ``decisions`` (site name -> packed weight or None)."""
+def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | SiblingGroup | None]) -> PassResult:
+    """Apply ``decisions`` (site name -> packed weight, the site's sibling group, or None)."""
     sites = []
+    nodes = {node.meta[SITE_KEY].name: node for node in gm.graph.nodes if SITE_KEY in node.meta}
     for node in list(gm.graph.nodes):
         site = node.meta.get(SITE_KEY)
         if site is None or site.name not in decisions:
             continue
         packed = decisions[site.name]
-        if packed is None:
+        if isinstance(packed, SiblingGroup):
+            if site is packed.members[0]:
+                _call_group_op(gm, [nodes[member.name] for member in packed.members], packed)
+        elif packed is None:
             if site.quantized:
                 node.target = fp8_dense_op(site.weight.device, tuple(site.weight.shape), site.input_dtype)
             else:
@@ -54,23 +64,52 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | None]) -> PassRe
 
 
 def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: PackedWeight, quantized: bool) -> None:
-    if not hasattr(gm, PACKED_MODULE):
-        gm.add_module(PACKED_MODULE, nn.Module())
-    holder = getattr(gm, PACKED_MODULE)
-    prefix = re.sub(r"[^0-9A-Za-z_]", "_", name)
     x, weight, *scales, bias, activation, x_transposed, transpose_out = node.args
     with gm.graph.inserting_before(node):
-        tensors = []
-        for field, tensor in packed.tensors().items():
-            if tensor is None:          # an optional array the format leaves out: the op takes None
-                tensors.append(None)
-                continue
-            holder.register_buffer(f"{prefix}__{field}", tensor)
-            tensors.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
+        tensors = _packed_inputs(gm, name, packed.tensors())
     node.target = getattr(packed, "op", None) or (OP_FOR_FP8 if quantized else OP_FOR_KIND)[packed.spec.kind]
     node.args = (x, *tensors, *scales, *packed.scalars().values(), bias, activation, x_transposed, transpose_out,
                  *getattr(packed, "extra_args", ()))
     erase_dead_inputs(gm.graph, [weight])
+
+
+def _call_group_op(gm: fx.GraphModule, nodes: list[fx.Node], group: SiblingGroup) -> None:
+    """One call of the group's op where its first member was, split into the members' outputs."""
+    packed = group.packed
+    with gm.graph.inserting_before(nodes[0]):
+        arrays = _packed_inputs(gm, group.name, {**packed.tensors(), "bias": group.bias()})
+        *tensors, bias = arrays
+        op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+        shared = gm.graph.call_function(op, (nodes[0].args[0], *tensors, *packed.scalars().values(), bias,
+                                             group.activation.value, False, False, *getattr(packed, "extra_args", ())))
+        parts = gm.graph.call_function(torch.split, (shared, group.sizes, -1))
+        for index, (node, member) in enumerate(zip(nodes, group.members)):
+            output = gm.graph.call_function(operator.getitem, (parts, index))
+            if member.activation != group.activation:
+                output = gm.graph.call_function(apply_activation, (output, member.activation.value))
+            node.replace_all_uses_with(output)
+    for node in nodes:
+        inputs = node.all_input_nodes
+        gm.graph.erase_node(node)
+        erase_dead_inputs(gm.graph, inputs)
+
+
+def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list[fx.Node | None]:
+    """Register ``tensors`` (field -> tensor or None) as buffers of the packed-weights submodule,
+    and read each with a ``get_attr`` node (None where the format leaves an optional array out:
+    the op takes None)."""
+    if not hasattr(gm, PACKED_MODULE):
+        gm.add_module(PACKED_MODULE, nn.Module())
+    holder = getattr(gm, PACKED_MODULE)
+    prefix = re.sub(r"[^0-9A-Za-z_]", "_", name)
+    nodes = []
+    for field, tensor in tensors.items():
+        if tensor is None:
+            nodes.append(None)
+            continue
+        holder.register_buffer(f"{prefix}__{field}", tensor)
+        nodes.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
+    return nodes
 
 
 def _drop_unused(gm: fx.GraphModule) -> None:

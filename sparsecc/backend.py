@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from .compiler import analyze_sites, pack_sites, plan_sites
+from .compiler import analyze_sites, mark_groups, pack_sites, plan_sites
 from .errors import InputError
 from .frontend.sharded import is_distributed
 from .ir.formats import FormatSpec
@@ -96,6 +96,7 @@ class SparseGraph:
         cost_model = self.cost_model or CostModel(device, op_by_op=not self.cuda_graphs)
         stats = analyze_sites(sites, self.formats)
         self.plan = plan_sites(sites, stats, cost_model, self.formats, device)
+        mark_groups(sites, stats, self.plan, cost_model)
         decisions = pack_sites(sites, stats, self.plan, cost_model)
         splice.run(gm, decisions)
         _name_sources(gm, self.original)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .frontend import sharded, tracing
 from .ir.analysis import WeightStats, analyze
+from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
 from .ir.numerics import relative_error
 from .ir.plan import Candidate, Plan, SitePlan
@@ -237,6 +238,7 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
     for name, layout in layouts.items():
         the_plan[name].reason += "; " + shared.shard_note(layout, [FormatSpec.parse(the_plan[name].choice),
                                                                   *(allowed or ())])
+    mark_groups(sites, stats, the_plan, model_cost)
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost, converted)
 
 
@@ -345,12 +347,20 @@ def _replay(given: Plan, sites, stats, target, untraced, how: str = "replayed fr
 
 def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, object]:
     """Pack each chosen weight once: for sparsecc's kernels where they run it (2:4, BSR and CSR on
-    Hopper), else in the format's portable layout that the torch implementations read. The plan's
-    ``bytes_after`` becomes the packed size (values plus indices). Returns the decisions splice
-    takes (site name -> packed weight, or None for dense)."""
-    decisions = {}
+    Hopper), else in the format's portable layout that the torch implementations read; the sites of
+    a sibling group (:func:`sibling_groups`) once, stacked. The plan's ``bytes_after`` becomes the
+    packed size (values plus indices; a group's shared by its members by rows). Returns the
+    decisions splice takes (site name -> packed weight, its
+    :class:`~sparsecc.ir.siblings.SiblingGroup`, or None for dense)."""
+    decisions: dict[str, object] = {}
+    for group in sibling_groups(sites, stats, plan, cost_model):
+        _pack_group(group, plan, cost_model)
+        for member in group.members:
+            decisions[member.name] = group
     packed_by_weight = {}
     for site in sites:
+        if site.name in decisions:
+            continue
         choice = FormatSpec.parse(plan[site.name].choice)
         if choice.kind == "dense":
             if site.quantized:          # its inputs' rounding: one kernel where it runs
@@ -359,20 +369,56 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
             continue
         key = (site.module_path, site.weight_name, site.weight_transposed, str(choice))
         if key not in packed_by_weight:
-            packed_by_weight[key] = _pack_one(site, choice, cost_model.uses_kernel(stats[site.name], choice), plan)
+            packed_by_weight[key] = _pack_one(site, choice, cost_model.uses_kernel(stats[site.name], choice),
+                                              plan[site.name])
         decisions[site.name] = packed_by_weight[key]
         plan[site.name].bytes_after = packed_by_weight[key].nbytes
     return decisions
 
 
-def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, plan: Plan):
+def sibling_groups(sites, stats, plan: Plan, cost_model: CostModel) -> list[siblings.SiblingGroup]:
+    """The sites that one call computes together (sparsecc.ir.siblings), as planned: none for the
+    ``memory`` objective (a 2:4 group that runs large batches on its dense weight keeps a stacked
+    copy of it, not the model's own), nor a group whose stacked weight would leave the kernels its
+    members run on."""
+    if cost_model.objective == "memory":
+        return []
+    choices = {s.name: (FormatSpec.parse(plan[s.name].choice), tuple(plan[s.name].m_range or ()),
+                        plan[s.name].above) for s in sites}
+    return [group for group in siblings.find(sites, choices, stats)
+            if cost_model.uses_kernel(group.stats, group.choice)
+            or not any(cost_model.uses_kernel(stats[member.name], group.choice) for member in group.members)]
+
+
+def mark_groups(sites, stats, plan: Plan, cost_model: CostModel) -> None:
+    """Name each site's sibling group in its plan entry (``group``), as packing will form them."""
+    for entry in plan:
+        entry.group = None
+    for group in sibling_groups(sites, stats, plan, cost_model):
+        for member in group.members:
+            plan[member.name].group = group.name
+
+
+def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel) -> None:
+    """Pack a group's stacked weight; each member's plan entry takes what packing decided and its
+    rows' share of the bytes."""
+    scratch = replace(plan[group.members[0].name], reason="")
+    group.packed = _pack_one(group.site(), group.choice, cost_model.uses_kernel(group.stats, group.choice), scratch)
+    for member in group.members:
+        entry = plan[member.name]
+        entry.reason += scratch.reason
+        entry.bytes_after = group.packed.nbytes * member.out_features // group.stats.shape[0]
+        entry.group = group.name
+
+
+def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, entry: SitePlan):
+    """``site``'s weight packed as ``choice``; what packing decided is added to ``entry``'s reason."""
     if on_kernel and site.quantized:
         refused = registry.refusal(choice, tuple(site.weight.shape), site.weight.dtype, input_dtype=site.input_dtype)
         if refused:
-            plan[site.name].reason += f"; its inputs run on the reference op instead: {refused}"
+            entry.reason += f"; its inputs run on the reference op instead: {refused}"
             on_kernel = False
     if on_kernel:
-        entry = plan[site.name]
         lo, hi = entry.m_range or (site.m or DEFAULT_M,) * 2
         try:
             packed = registry.pack(site.weight, choice, hi, tune_range=(lo, hi), progress=True, above=entry.above,

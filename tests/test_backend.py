@@ -68,6 +68,24 @@ def test_hugging_face_models_through_the_backend(build):
     assert choices and choices.count("2:4") >= 6
 
 
+def test_sites_reading_one_input_share_one_call_in_dynamos_graph():
+    """In Dynamo's graph of a Llama the attention's q, k and v projections are siblings too (the
+    MLP's gate and up as well): one call each group, and the result matches the model."""
+    torch.manual_seed(0)
+    model = llama()
+    sparsify_24(model)
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        assert_rel_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, torch.float32, factor=10)
+    [graph] = COMPILED
+    groups = {site.group for site in graph.plan if site.group}
+    assert len(groups) == 4 and sum(site.group is not None for site in graph.plan) == 2 * (3 + 2)
+    assert any(group.count("q_proj") == group.count("k_proj") == group.count("v_proj") == 1 for group in groups)
+    calls = [n for n in graph._fn.__self__.graph.nodes if str(n.target) == "sparsecc.linear_nm.default"]
+    assert len(calls) == 2 * 4                   # per layer: q+k+v, o, gate+up, down
+
+
 def test_inductor_takes_the_rest_of_the_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16)).eval()

@@ -248,6 +248,34 @@ def test_parts_whose_sites_all_stay_dense_keep_the_model_modules(gen):
     assert not any(isinstance(module, nn.Conv2d) for module in compiled.modules())
 
 
+def test_an_mlps_gate_and_up_share_one_call(gen):
+    """Llama's gate and up projections read the same input: planned 2:4 both, they run as one call
+    on their stacked weight (gate's SiLU after the split), and the plan says so; the compiled model
+    matches the model at other shapes. With the memory objective each keeps its own call."""
+    torch.manual_seed(0)
+    model = llama()
+    sparsify_24(model)
+    ids = torch.randint(0, 100, (2, 8))
+    compiled = sparsecc.compile(model, ids, formats=("2:4",))
+    plan = compiled.sparsecc_plan
+    pair = "layers.0.mlp.gate_proj.weight+layers.0.mlp.up_proj.weight"
+    assert plan["layers.0.mlp.gate_proj"].group == plan["layers.0.mlp.up_proj"].group == pair
+    assert plan["layers.0.mlp.down_proj"].group is None and plan["layers.0.self_attn.q_proj"].group is None
+    assert "gate_proj: 2:4 -- " in plan.table() and "computed in one call with layers.0.mlp.up_proj.weight" in plan.table()
+    assert sparsecc.plan(model, ids, formats=("2:4",))["layers.0.mlp.up_proj"].group == pair    # planned so
+    targets = [str(n.target) for n in compiled.layers[0].mlp.graph.nodes if n.op == "call_function"]
+    assert targets.count("sparsecc.linear_nm.default") == 2            # gate and up, then down
+    for shape in [(1, 5), (3, 11)]:
+        other = torch.randint(0, 100, shape)
+        with torch.no_grad():
+            assert_rel_close(compiled(other).last_hidden_state, model(other).last_hidden_state, torch.float32,
+                             factor=10)
+    apart = sparsecc.compile(model, ids, formats=("2:4",), cost_model=CostModel("cpu", objective="memory"))
+    assert all(site.group is None for site in apart.sparsecc_plan)
+    targets = [str(n.target) for n in apart.layers[0].mlp.graph.nodes if n.op == "call_function"]
+    assert targets.count("sparsecc.linear_nm.default") == 3
+
+
 def test_fused_epilogues_in_hugging_face_blocks():
     plan = sparsecc.plan(llama(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
     assert plan["layers.0.mlp.gate_proj"].epilogue == "silu"

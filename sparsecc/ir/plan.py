@@ -48,6 +48,9 @@ class SitePlan:
     #: what runs the batches past the small-batch kernels' rows where a 2:4 site's range reaches
     #: beyond them: None (the choice's GEMMs) or ABOVE_DENSE (timed faster there than 2:4)
     above: str | None = None
+    #: where one call computes this site with others that read the same input in the same format
+    #: (sparsecc.ir.siblings): their names joined by '+', in graph order
+    group: str | None = None
 
     @property
     def label(self) -> str:
@@ -114,7 +117,7 @@ class Plan:
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         if self.sites:
             lines.append("")
-            lines += [f"{s.label}: {s.choice} -- {s.reason}" for s in self.sites]
+            lines += [f"{s.label}: {s.choice} -- {s.reason}" + _shared_call(s) for s in self.sites]
         for path, why in self.untraced.items():
             lines.append(f"untraced {path}: {why}")
         if self.checked:
@@ -147,6 +150,14 @@ class Plan:
             return cls(sites=sites, **data)
         except (KeyError, TypeError, json.JSONDecodeError) as error:
             raise PlanError(f"not a sparsecc plan: {type(error).__name__}: {error}") from error
+
+
+def _shared_call(site: SitePlan) -> str:
+    """What the table says of a site that one call computes with others."""
+    if not site.group:
+        return ""
+    others = [name for name in site.group.split("+") if name != site.name]
+    return f"; computed in one call with {', '.join(others)} (their weights stacked)"
 
 
 def _size(nbytes: int) -> str:

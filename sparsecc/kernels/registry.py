@@ -218,13 +218,21 @@ def kernel_specs(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], d
 def plan_kernels(plan) -> list[KernelSpec]:
     """Every kernel a plan's sites need (its sites' ``choice``, ``dtype``, ``shape``, ``density``
     and ``m``, or both ends of a declared ``m_range`` where there is one: a 2:4 site planned over
-    a range may run the small-batch kernels at its low end and the GEMMs at its top)."""
+    a range may run the small-batch kernels at its low end and the GEMMs at its top), and those of
+    the stacked weight of each group of sites that share one call (``group``)."""
     specs: list[KernelSpec] = []
+    groups: dict[str, list] = {}
     for site in plan:
+        if getattr(site, "group", None):
+            groups.setdefault(site.group, []).append(site)
+    stacked = [(members[0], [sum(s.shape[0] for s in members), members[0].shape[1]],
+                sum(s.density * s.shape[0] for s in members) / sum(s.shape[0] for s in members))
+               for members in groups.values()]
+    for site, shape, density in [(site, site.shape, site.density) for site in plan] + stacked:
         dtype = getattr(torch, site.dtype, None)
         m_range = getattr(site, "m_range", None)
         rows = [m_range[1], m_range[0]] if m_range else [site.m]
         if isinstance(dtype, torch.dtype):
             for m in rows:
-                specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(site.shape), site.density, m)
+                specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(shape), density, m)
     return list(dict.fromkeys(specs))

@@ -105,6 +105,21 @@ def test_plan_kernels_lists_what_each_site_may_run():
     assert all(spec.dtype in ("float16", "bfloat16") for spec in registry.plan_kernels(sites))
 
 
+def test_plan_kernels_include_a_sibling_groups_stacked_weight():
+    """Sites that share one call run the kernels of their stacked shape, which may differ from
+    each one's: four 512 x 2048 weights at 64 rows run the small-batch tensor-core kernels, stacked
+    (2048 x 2048) the GEMMs."""
+    names = ["a.weight", "b.weight", "c.weight", "d.weight"]
+    sites = [SimpleNamespace(choice="2:4", dtype="float16", shape=(512, 2048), density=0.5, m=64, m_range=[1, 64],
+                             group="+".join(names), name=name) for name in names]
+    specs = registry.plan_kernels(sites)
+    for m in (1, 64):
+        assert set(registry.kernel_specs(FormatSpec.parse("2:4"), torch.float16, (2048, 2048), 0.5, m)) <= set(specs)
+    alone = registry.plan_kernels([SimpleNamespace(**{**vars(site), "group": None}) for site in sites])
+    assert set(alone) < set(specs)
+    assert Family.SM90_SPARSE24 in {s.family for s in specs} - {s.family for s in alone}
+
+
 def test_packing_refuses_what_no_kernel_runs():
     with pytest.raises(Exception, match="2:4"):
         registry.pack(torch.zeros(64, 64), FormatSpec("nm", n=1, m=4), 1)

@@ -92,3 +92,31 @@ def test_an_array_a_format_leaves_out_is_passed_as_none(gen):
     assert "sparsecc_packed.a_weight__large_values" in reads
     assert not any(target.endswith("large_metadata") for target in reads)
     assert_rel_close(gm(x), model(x), torch.float32)      # 3 rows: above the limit, the dense tier
+
+
+def test_siblings_share_one_call_split_into_their_outputs(gen):
+    """A sibling group is one op call on the stacked weight where its first member was; a split
+    gives each member its output, with its own activation where the call applies none; the members'
+    dense weights are no longer held."""
+    from sparsecc.ir import siblings
+    from sparsecc.ir.analysis import analyze
+    from sparsecc.ir.epilogue import apply_activation
+    from sparsecc.ir.formats import FormatSpec
+    from ir.test_siblings import Attention
+
+    model, x = Attention(gen), torch.randn(2, 5, 32, generator=gen)
+    gm, sites = prepared(model, x)
+    [group] = siblings.find(sites, {s.name: (FormatSpec.parse("csr"), (), None) for s in sites},
+                            {s.name: analyze(s.weight) for s in sites})
+    group.packed = pack(group.weight(), "csr")
+    decisions = {member.name: group for member in group.members}
+    splice.run(gm, {**decisions, "out.weight": None})
+    calls = [target for op, target in ops(gm) if op == "call_function"]
+    assert calls[:3] == ["linear_csr.default", "split", "getitem"]
+    assert calls.count("linear_csr.default") == 1 and calls.count("getitem") == 5 + 1     # and q's [..., :16]
+    assert calls.count("apply_activation") == 2                                         # q's relu, gate's silu
+    assert any(n.target is apply_activation and n.args[1] == "silu" for n in gm.graph.nodes)
+    assert_rel_close(gm(x), model(x), torch.float32)
+    held = [p for p in [*gm.parameters(), *gm.buffers()]]
+    assert not any(p is getattr(model, name).weight for p in held for name in ("q", "k", "v", "gate", "up"))
+    assert any(p is model.out.weight for p in held)

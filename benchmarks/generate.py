@@ -35,6 +35,11 @@ kernels' rows (the prefill). Within a model and batch the dense model is
 compiled once: each pattern's pruned weights are copied into it in place (CUDA graphs read them
 where they are), so only sparsecc's graphs are compiled per pattern.
 
+With ``--profile`` each row also has ``decode_kernels``: what one decode step runs on the GPU, from
+torch.profiler (greedy_loop over the same static cache, ``PROFILED_STEPS`` steps less the prompt's
+forward alone): kernel microseconds and launches per step, and the kernels taking the most time
+(on the CPU, the ops' own time instead of kernels).
+
 With ``--quantize fp8`` both sides are the pruned model quantized (``sparsecc.quantize``, the same
 layers left out) and compiled by sparsecc: ``dense`` with ``formats=("dense",)`` (its FP8 sites on
 ``torch._scaled_mm``), ``sparsecc`` with ``formats=("2:4",)`` (the FP8 2:4 GEMM on Hopper); rows
@@ -58,6 +63,7 @@ also compiles them); ``greedy_loop`` adds its own CUDA graphs and timed calls.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import itertools
 import json
@@ -72,7 +78,8 @@ from common import (RESULTS, environment, fixed_dispatch, plot_generation_speedu
                     relative_error, write)
 
 import sparsecc  # noqa: E402
-from sparsecc.generation import GRAPH_WARMUP, LOOPS, greedy, static_cache, time_generate_each  # noqa: E402
+from sparsecc.generation import (GRAPH_WARMUP, LOOPS, greedy, greedy_loop, static_cache,  # noqa: E402
+                                 time_generate_each)
 from sparsecc.models import load  # noqa: E402
 
 MODELS = {"llama-1b": "llama-1b-causal", "gpt2": "gpt2-causal"}
@@ -133,6 +140,43 @@ def compare_logits(dense, sparse) -> dict:
                            sparse.sequences[:, : sparse.sequences.shape[1] - len(sparse.logits) + step + 1]):
             break
     return {"rel_err": worst, "steps_compared": compared, "same_tokens": torch.equal(dense.sequences, sparse.sequences)}
+
+
+#: decode steps --profile records (their kernels less those of the prompt's forward alone, per step)
+PROFILED_STEPS = 8
+#: kernels --profile lists per row, the longest first
+PROFILED_TOP = 12
+
+
+def decode_kernels(model, prompts, cache) -> dict:
+    """What one decode step of ``model`` runs: kernel time (us) and launches per step, and the
+    ``PROFILED_TOP`` kernels taking the most time, as ``[name, us, launches]`` per step (see the
+    module docstring). ``cache``: the model's static cache, so CUDA graphs replay as when timed."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = prompts.is_cuda
+
+    def per_kernel(new_tokens: int) -> dict:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            greedy_loop(model, prompts, new_tokens=new_tokens, cache=cache)
+            if cuda:
+                torch.cuda.synchronize()
+        totals = collections.defaultdict(lambda: [0.0, 0])
+        for event in prof.key_averages():
+            us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            if us > 0:
+                totals[event.key][0] += us
+                totals[event.key][1] += event.count
+        return totals
+
+    per_kernel(1 + PROFILED_STEPS)                        # the profiler's own first-use costs
+    prefill, run = per_kernel(1), per_kernel(1 + PROFILED_STEPS)
+    step = {name: ((us - prefill.get(name, [0.0, 0])[0]) / PROFILED_STEPS,
+                   (calls - prefill.get(name, [0.0, 0])[1]) / PROFILED_STEPS) for name, (us, calls) in run.items()}
+    step = {name: value for name, value in step.items() if value[1] > 0}
+    top = sorted(step.items(), key=lambda item: -item[1][0])[:PROFILED_TOP]
+    return {"us_per_step": round(sum(us for us, _ in step.values()), 1),
+            "launches_per_step": round(sum(calls for _, calls in step.values()), 1),
+            "top": [[name[:120], round(us, 2), round(calls, 2)] for name, (us, calls) in top]}
 
 
 def set_recompile_limit(limit: int = 64) -> None:
@@ -196,6 +240,11 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
         choices = {}
         for site in plan:
             choices[site.choice] = choices.get(site.choice, 0) + 1
+        profiled = {}
+        if args.profile:
+            for impl, model in models.items():
+                cache_of = caches.get(impl) or static_cache(model, args.prompt + 1 + PROFILED_STEPS)
+                profiled[impl] = decode_kernels(model, prompts, cache_of)
         for loop, impl in itertools.product(args.loops, models):
             timing = timed[loop][impl]
             row = {"impl": impl, "model": name, "format": "dense" if impl == "dense" else pattern, "pattern": pattern,
@@ -211,6 +260,8 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "dense_above_small_batches": None if impl == "dense" else sum(s.above == "dense" for s in plan),
                    "m_range": None if impl == "dense" else (plan.sites[0].m_range if plan.sites else None),
                    "weight_bytes": plan.bytes_before if impl == "dense" else plan.bytes_after}
+            if impl in profiled:
+                row["decode_kernels"] = profiled[impl]
             rows.append(row)
         for dense_row, sparse_row in zip(rows[-2 * len(args.loops)::2], rows[-2 * len(args.loops) + 1::2]):
             print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} {dense_row['loop']:11s} first token "
@@ -218,6 +269,11 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                   f"{dense_row['tokens_per_s'] or 0:9.1f} -> {sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   rel_err "
                   f"{quality['rel_err']:.2e} over {quality['steps_compared']} steps, same tokens "
                   f"{quality['same_tokens']} ({time.perf_counter() - started:.1f} s)", flush=True)
+        for impl, kernels in profiled.items():
+            print(f"  {impl} decode step: {kernels['us_per_step']:.0f} us of kernels, "
+                  f"{kernels['launches_per_step']:.0f} launches; longest: "
+                  + "; ".join(f"{name[:60]} {us:.1f} us x{calls:g}" for name, us, calls in kernels["top"][:4]),
+                  flush=True)
         sparse = pruned = outputs = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -302,6 +358,8 @@ def main(argv=None) -> dict:
                         help="run the shipped tuning table's launches, tuning nothing (default: tune as compile does)")
     parser.add_argument("--quantize", choices=["fp8"], default=None,
                         help="quantize both sides (sparsecc.quantize) and compile them dense and n:m (see above)")
+    parser.add_argument("--profile", action="store_true",
+                        help="add each row's decode step kernels (torch.profiler; see above)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)

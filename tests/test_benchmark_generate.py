@@ -77,3 +77,21 @@ def test_a_tiny_quantized_run_on_the_cpu(tmp_path, monkeypatch):
     dense, sparse = result["rows"]
     assert (dense["format"], sparse["format"]) == ("fp8", "fp8-2:4") and dense["quantize"] == sparse["quantize"] == "fp8"
     assert sparse["choices"]["2:4"] > 0 and sparse["same_tokens"] is True and sparse["rel_err"] <= TOLERANCE
+
+
+def test_a_decode_steps_kernels_are_profiled():
+    """``--profile``'s breakdown of one decode step: the prompt's forward left out (its rows differ),
+    the longest first, and a compiled model's step running sparsecc's op once per site."""
+    import sparsecc
+    from sparsecc.generation import static_cache
+    model = bench.build("llama-1b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)
+    sparsecc.prune(model, "2:4", exclude=bench.EXCLUDE)
+    prompts = torch.randint(1, 500, (2, 6), generator=torch.Generator().manual_seed(0))
+    compiled = sparsecc.compile(model, prompts, formats=("2:4",))
+    step = bench.decode_kernels(compiled, prompts, static_cache(compiled, 6 + 1 + bench.PROFILED_STEPS))
+    assert step["us_per_step"] > 0 and step["launches_per_step"] > 0
+    times = [us for _, us, _ in step["top"]]
+    assert times == sorted(times, reverse=True) and len(step["top"]) <= bench.PROFILED_TOP
+    calls = {name: launches for name, _, launches in step["top"]}
+    sites = len({site.group or site.name for site in compiled.sparsecc_plan if site.choice == "2:4"})
+    assert calls.get("sparsecc::linear_nm") == sites          # per step, whatever the prompt's forward ran

@@ -25,7 +25,7 @@ from .ir.analysis import WeightStats, analyze
 from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
 from .ir.numerics import relative_error
-from .ir.plan import Candidate, Plan, SitePlan
+from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
@@ -377,15 +377,13 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 
 
 def sibling_groups(sites, stats, plan: Plan, cost_model: CostModel) -> list[siblings.SiblingGroup]:
-    """The sites that one call computes together (sparsecc.ir.siblings), as planned: none for the
-    ``memory`` objective (a 2:4 group that runs large batches on its dense weight keeps a stacked
-    copy of it, not the model's own), nor a group whose stacked weight would leave the kernels its
-    members run on."""
-    if cost_model.objective == "memory":
-        return []
+    """The sites that one call computes together (sparsecc.ir.siblings), as planned: not those
+    that run large batches on their dense weight (a 2:4 site planned over a range, ``above``:
+    stacked, that weight would be a copy, not the model's own), nor a group whose stacked weight
+    would leave the kernels its members run on."""
     choices = {s.name: (FormatSpec.parse(plan[s.name].choice), tuple(plan[s.name].m_range or ()),
-                        plan[s.name].above) for s in sites}
-    return [group for group in siblings.find(sites, choices, stats)
+                        plan[s.name].above) for s in sites if plan[s.name].above != ABOVE_DENSE}
+    return [group for group in siblings.find([s for s in sites if s.name in choices], choices, stats)
             if cost_model.uses_kernel(group.stats, group.choice)
             or not any(cost_model.uses_kernel(stats[member.name], group.choice) for member in group.members)]
 

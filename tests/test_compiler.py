@@ -251,7 +251,8 @@ def test_parts_whose_sites_all_stay_dense_keep_the_model_modules(gen):
 def test_an_mlps_gate_and_up_share_one_call(gen):
     """Llama's gate and up projections read the same input: planned 2:4 both, they run as one call
     on their stacked weight (gate's SiLU after the split), and the plan says so; the compiled model
-    matches the model at other shapes. With the memory objective each keeps its own call."""
+    matches the model at other shapes. Planned for a batch range whose large batches run on the
+    dense weights (a causal LM's prefill), each keeps its own call."""
     torch.manual_seed(0)
     model = llama()
     sparsify_24(model)
@@ -270,10 +271,13 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
         with torch.no_grad():
             assert_rel_close(compiled(other).last_hidden_state, model(other).last_hidden_state, torch.float32,
                              factor=10)
-    apart = sparsecc.compile(model, ids, formats=("2:4",), cost_model=CostModel("cpu", objective="memory"))
-    assert all(site.group is None for site in apart.sparsecc_plan)
-    targets = [str(n.target) for n in apart.layers[0].mlp.graph.nodes if n.op == "call_function"]
-    assert targets.count("sparsecc.linear_nm.default") == 3
+    from sparsecc.compiler import _prepare, sibling_groups
+    prepared = _prepare(model, ids, ("2:4",), None, None, given_plan=None)
+    groups = sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
+    assert len(groups) == 2 and all(len(group.members) == 2 for group in groups)        # each layer's MLP
+    for site in prepared.plan:
+        site.above = "dense"
+    assert sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model) == []
 
 
 def test_fused_epilogues_in_hugging_face_blocks():

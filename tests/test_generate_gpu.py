@@ -61,9 +61,9 @@ def test_generation_on_the_kernels_eagerly_and_under_cuda_graphs():
     try:
         compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", dynamic=False)
         cache = static_cache(compiled, PROMPT + NEW_TOKENS)
-        calls = [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
+        replays = [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
     finally:
         torch._dynamo.reset()
-    for graphs in calls:
+    for graphs in replays:
         assert steps_alike(graphs, want) >= 1
-    assert torch.equal(calls[-1].sequences, calls[-2].sequences)      # replayed graphs, same work
+    assert torch.equal(replays[-1].sequences, replays[-2].sequences)      # replayed graphs, same work

@@ -22,7 +22,8 @@ fp16, microseconds per call from Python (``us_eager``; ``us`` is left null): the
 sees whether the host or the GPU sets the pace. The implementations of a model are compiled
 first, then timed in :data:`ROUNDS` interleaved rounds, each keeping its median, so that a
 drift of the host's speed during the run reaches them all alike. Rows carry ``model``, ``impl``, ``rel_err`` against the eager output, ``compile_s``
-(the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``) and
+(the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``), ``shared_calls``
+(groups of sites that one call computes, sparsecc.ir.siblings) and
 ``graphs_raced``: per graph the backend raced (for sparsecc-graphs: the model ``sparsecc.compile``
 raced), the microseconds per call with the sparse layers and dense on the example inputs (the
 faster by 2% was kept).
@@ -158,6 +159,7 @@ def main(argv=None) -> dict:
                               "us": None, "us_eager": None, "rel_err": relative_error(out, reference),
                               "compile_s": round(compile_s, 1), "sites": len(choices),
                               "sparse_sites": sum(c != "dense" for c in choices),
+                              "shared_calls": sum(len({s.group for s in plan if s.group}) for plan in plans if plan),
                               "graphs_raced": [list(g.raced) for g in COMPILED[before:] if g.raced is not None]
                               or [p.checked for p in plans if p is not None and p.checked]}
             times = {impl: [] for impl in compiled}
@@ -168,7 +170,8 @@ def main(argv=None) -> dict:
                 row["us_eager"] = statistics.median(times[impl])
                 result["rows"].append(row)
                 print(f"{case:20s} {impl:24s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}  "
-                      f"sparse sites {row['sparse_sites']}/{row['sites']}  compile {row['compile_s']} s", flush=True)
+                      f"sparse sites {row['sparse_sites']}/{row['sites']} ({row['shared_calls']} shared calls)  "
+                      f"compile {row['compile_s']} s", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done
             plot(result, path.with_suffix(".png"))
         model = impls = compiled = None     # free the GPU memory before the next model

@@ -137,7 +137,8 @@ def plot_per_dtype(result: dict, path, draw, *, xlabel: str, title: str) -> None
 def plot_generation_speedups(result: dict, path, case_of, label_of, *, first_label: str, title: str) -> None:
     """Per case (``case_of(row)``, labelled ``label_of(case)``), sparsecc's speedup over dense in
     the time to the first token (``ttft_ms``, drawn as ``first_label``) and in decode tokens per
-    second (``tokens_per_s``); cases without both a dense and a sparsecc row are left out."""
+    second (``tokens_per_s``), one bar pair per impl beside dense (labelled with its impl where it is
+    not ``sparsecc``); cases without a dense row are left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -146,9 +147,11 @@ def plot_generation_speedups(result: dict, path, case_of, label_of, *, first_lab
         pairs.setdefault(case_of(row), {})[row["impl"]] = row
     labels, first, decode = [], [], []
     for case, rows in pairs.items():
-        if {"dense", "sparsecc"} <= set(rows):
-            dense, sparse = rows["dense"], rows["sparsecc"]
-            labels.append(label_of(case))
+        dense = rows.get("dense")
+        for impl, sparse in rows.items():
+            if dense is None or impl == "dense":
+                continue
+            labels.append(label_of(case) + ("" if impl == "sparsecc" else f"\n{impl}"))
             first.append(dense["ttft_ms"] / sparse["ttft_ms"])
             decode.append(sparse["tokens_per_s"] / dense["tokens_per_s"]
                           if sparse["tokens_per_s"] and dense["tokens_per_s"] else 0)

@@ -17,6 +17,12 @@ Modes, the same for both impls:
   tensors stay in place for the graphs); three untimed calls first (sparsecc.generation.GRAPH_WARMUP).
 - ``eager``: the dynamic cache, no torch.compile (what ``generate`` does by default).
 
+With ``--backend`` (graphs mode) a third impl, ``sparsecc-backend``, is the pruned model with
+``model.forward = torch.compile(model.forward, backend="sparsecc", mode="reduce-overhead",
+dynamic=False)``: Dynamo captures the prefill and the decode step as separate graphs, and the
+backend plans and packs each for its own batch size (in the decode graph of a Llama, q, k and v
+share one call, as do gate and up); its rows' ``choices`` count both graphs' sites.
+
 Loops, each timed on both impls: ``generate`` (``model.generate``, greedy) and ``greedy_loop``
 (sparsecc.generation.greedy_loop: one forward per token on a static cache, the next token chosen on
 the GPU, without ``generate``'s work between steps, which at batch 1 takes about as long as a
@@ -36,8 +42,8 @@ compiled once: each pattern's pruned weights are copied into it in place (CUDA g
 where they are), so only sparsecc's graphs are compiled per pattern.
 
 With ``--profile`` each row also has ``decode_kernels``: what one decode step runs on the GPU, from
-torch.profiler (greedy_loop over the same static cache, ``PROFILED_STEPS`` steps less the prompt's
-forward alone): kernel microseconds and launches per step, and the kernels taking the most time
+torch.profiler (greedy_loop over the same static cache, ``PROFILED_STEPS`` steps, or fewer where
+``--new-tokens`` is smaller, less the prompt's forward alone): kernel microseconds and launches per step, and the kernels taking the most time
 (on the CPU, the ops' own time instead of kernels).
 
 With ``--quantize fp8`` both sides are the pruned model quantized (``sparsecc.quantize``, the same
@@ -148,10 +154,11 @@ PROFILED_STEPS = 8
 PROFILED_TOP = 12
 
 
-def decode_kernels(model, prompts, cache) -> dict:
-    """What one decode step of ``model`` runs: kernel time (us) and launches per step, and the
-    ``PROFILED_TOP`` kernels taking the most time, as ``[name, us, launches]`` per step (see the
-    module docstring). ``cache``: the model's static cache, so CUDA graphs replay as when timed."""
+def decode_kernels(model, prompts, cache, steps: int = PROFILED_STEPS) -> dict:
+    """What one decode step of ``model`` runs: kernel time (us) and launches per step over ``steps``
+    steps, and the ``PROFILED_TOP`` kernels taking the most time, as ``[name, us, launches]`` per
+    step (see the module docstring). ``cache``: the model's static cache, so CUDA graphs replay as
+    when timed (it holds the prompts and ``steps + 1`` new tokens)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = prompts.is_cuda
 
@@ -168,10 +175,10 @@ def decode_kernels(model, prompts, cache) -> dict:
                 totals[event.key][1] += event.count
         return totals
 
-    per_kernel(1 + PROFILED_STEPS)                        # the profiler's own first-use costs
-    prefill, run = per_kernel(1), per_kernel(1 + PROFILED_STEPS)
-    step = {name: ((us - prefill.get(name, [0.0, 0])[0]) / PROFILED_STEPS,
-                   (calls - prefill.get(name, [0.0, 0])[1]) / PROFILED_STEPS) for name, (us, calls) in run.items()}
+    per_kernel(1 + steps)                                 # the profiler's own first-use costs
+    prefill, run = per_kernel(1), per_kernel(1 + steps)
+    step = {name: ((us - prefill.get(name, [0.0, 0])[0]) / steps,
+                   (calls - prefill.get(name, [0.0, 0])[1]) / steps) for name, (us, calls) in run.items()}
     step = {name: value for name, value in step.items() if value[1] > 0}
     top = sorted(step.items(), key=lambda item: -item[1][0])[:PROFILED_TOP]
     return {"us_per_step": round(sum(us for us, _ in step.values()), 1),
@@ -233,42 +240,53 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
             sparse.generation_config.disable_compile = True
             caches["sparsecc"] = static_cache(sparse, args.prompt + args.new_tokens)
         models = {"dense": dense, "sparsecc": sparse}
+        plans = {"sparsecc": [plan]}
+        if args.backend and mode == "graphs":
+            forced = (format_of(pattern),) if args.force_formats else None
+            models["sparsecc-backend"], plans["sparsecc-backend"] = through_backend(pruned, forced)
+            caches["sparsecc-backend"] = static_cache(models["sparsecc-backend"], args.prompt + args.new_tokens)
         timed = {loop: time_loop(loop, models, prompts, caches or cache, args, mode) for loop in args.loops}
         outputs = {impl: greedy(model, prompts, new_tokens=args.new_tokens, cache=caches.get(impl, cache),
-                                output_logits=True, return_dict_in_generate=True) for impl, model in (("dense", dense), ("sparsecc", sparse))}
-        quality = compare_logits(outputs["dense"], outputs["sparsecc"])
-        choices = {}
-        for site in plan:
-            choices[site.choice] = choices.get(site.choice, 0) + 1
+                                output_logits=True, return_dict_in_generate=True) for impl, model in models.items()}
+        quality = {impl: compare_logits(outputs["dense"], outputs[impl]) for impl in models if impl != "dense"}
+        choices = {impl: {} for impl in plans}
+        for impl, impl_plans in plans.items():
+            for site in (site for one in impl_plans for site in one):
+                choices[impl][site.choice] = choices[impl].get(site.choice, 0) + 1
         profiled = {}
-        if args.profile:
+        steps = min(PROFILED_STEPS, args.new_tokens - 1)      # a graphs-mode cache holds new_tokens
+        if args.profile and steps > 0:
             for impl, model in models.items():
-                cache_of = caches.get(impl) or static_cache(model, args.prompt + 1 + PROFILED_STEPS)
-                profiled[impl] = decode_kernels(model, prompts, cache_of)
+                cache_of = caches.get(impl) or static_cache(model, args.prompt + 1 + steps)
+                profiled[impl] = decode_kernels(model, prompts, cache_of, steps)
         for loop, impl in itertools.product(args.loops, models):
             timing = timed[loop][impl]
+            sites = [site for one in plans.get(impl, []) for site in one]
             row = {"impl": impl, "model": name, "format": "dense" if impl == "dense" else pattern, "pattern": pattern,
                    "mode": mode, "loop": loop, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                    "M": batch * args.prompt, "dtype": str(dtype).replace("torch.", ""),
                    "density": round(report.density, 4), "block": 64 if pattern.startswith("block64") else None,
                    "ttft_ms": round(timing.ttft_ms, 3),
                    "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
-                   "rel_err": None if impl == "dense" else quality["rel_err"],
-                   "steps_compared": None if impl == "dense" else quality["steps_compared"],
-                   "same_tokens": None if impl == "dense" else quality["same_tokens"],
-                   "choices": None if impl == "dense" else choices,
-                   "dense_above_small_batches": None if impl == "dense" else sum(s.above == "dense" for s in plan),
-                   "m_range": None if impl == "dense" else (plan.sites[0].m_range if plan.sites else None),
-                   "weight_bytes": plan.bytes_before if impl == "dense" else plan.bytes_after}
+                   "rel_err": None if impl == "dense" else quality[impl]["rel_err"],
+                   "steps_compared": None if impl == "dense" else quality[impl]["steps_compared"],
+                   "same_tokens": None if impl == "dense" else quality[impl]["same_tokens"],
+                   "choices": None if impl == "dense" else choices[impl],
+                   "shared_calls": None if impl == "dense" else len({s.group for s in sites if s.group}),
+                   "dense_above_small_batches": None if impl == "dense" else sum(s.above == "dense" for s in sites),
+                   "m_range": None if impl != "sparsecc" else (plan.sites[0].m_range if plan.sites else None),
+                   "weight_bytes": {"dense": plan.bytes_before, "sparsecc": plan.bytes_after}.get(impl)}
             if impl in profiled:
                 row["decode_kernels"] = profiled[impl]
             rows.append(row)
-        for dense_row, sparse_row in zip(rows[-2 * len(args.loops)::2], rows[-2 * len(args.loops) + 1::2]):
-            print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} {dense_row['loop']:11s} first token "
-                  f"{dense_row['ttft_ms']:8.2f} -> {sparse_row['ttft_ms']:8.2f} ms   decode "
-                  f"{dense_row['tokens_per_s'] or 0:9.1f} -> {sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   rel_err "
-                  f"{quality['rel_err']:.2e} over {quality['steps_compared']} steps, same tokens "
-                  f"{quality['same_tokens']} ({time.perf_counter() - started:.1f} s)", flush=True)
+        case_rows = rows[-len(models) * len(args.loops):]
+        for dense_row in (row for row in case_rows if row["impl"] == "dense"):
+            for sparse_row in (row for row in case_rows if row["loop"] == dense_row["loop"] and row["impl"] != "dense"):
+                print(f"{name:9s} {pattern:16s} b{batch:<3d} {mode:6s} {dense_row['loop']:11s} {sparse_row['impl']:16s} "
+                      f"first token {dense_row['ttft_ms']:8.2f} -> {sparse_row['ttft_ms']:8.2f} ms   decode "
+                      f"{dense_row['tokens_per_s'] or 0:9.1f} -> {sparse_row['tokens_per_s'] or 0:9.1f} tokens/s   "
+                      f"rel_err {sparse_row['rel_err']:.2e} over {sparse_row['steps_compared']} steps, same tokens "
+                      f"{sparse_row['same_tokens']} ({time.perf_counter() - started:.1f} s)", flush=True)
         for impl, kernels in profiled.items():
             print(f"  {impl} decode step: {kernels['us_per_step']:.0f} us of kernels, "
                   f"{kernels['launches_per_step']:.0f} launches; longest: "
@@ -278,6 +296,30 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def through_backend(pruned, formats=None):
+    """A copy of ``pruned`` whose forward runs through ``torch.compile(backend="sparsecc",
+    mode="reduce-overhead")`` (see the module docstring; ``formats`` as ``make_backend``'s), and
+    the plans of the graphs the backend compiles for it (read when iterated: the first calls
+    compile them)."""
+    from sparsecc.backend import COMPILED, make_backend
+    model = copy.deepcopy(pruned)
+    backend = make_backend(formats=formats) if formats else "sparsecc"
+    model.forward = torch.compile(model.forward, backend=backend, mode="reduce-overhead", dynamic=False)
+    model.generation_config = copy.deepcopy(model.generation_config)
+    model.generation_config.disable_compile = True
+    return model, _PlansSince(COMPILED, len(COMPILED))
+
+
+class _PlansSince:
+    """The plans of the graphs the backend compiled since ``start`` (read when iterated)."""
+
+    def __init__(self, compiled: list, start: int):
+        self.compiled, self.start = compiled, start
+
+    def __iter__(self):
+        return iter([graph.plan for graph in self.compiled[self.start:] if graph.plan is not None])
 
 
 def run_quantized(name: str, batch: int, pattern: str, mode: str, args, base, device) -> list[dict]:
@@ -358,6 +400,8 @@ def main(argv=None) -> dict:
                         help="run the shipped tuning table's launches, tuning nothing (default: tune as compile does)")
     parser.add_argument("--quantize", choices=["fp8"], default=None,
                         help="quantize both sides (sparsecc.quantize) and compile them dense and n:m (see above)")
+    parser.add_argument("--backend", action="store_true",
+                        help="graphs mode: also time the model through torch.compile(backend=\"sparsecc\") (see above)")
     parser.add_argument("--profile", action="store_true",
                         help="add each row's decode step kernels (torch.profiler; see above)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -95,3 +96,22 @@ def test_a_decode_steps_kernels_are_profiled():
     calls = {name: launches for name, _, launches in step["top"]}
     sites = len({site.group or site.name for site in compiled.sparsecc_plan if site.choice == "2:4"})
     assert calls.get("sparsecc::linear_nm") == sites          # per step, whatever the prompt's forward ran
+
+
+@pytest.mark.slow
+def test_the_backend_impl_generates_what_dense_does(tmp_path, monkeypatch):
+    """``--backend``: the pruned model through torch.compile(backend="sparsecc",
+    mode="reduce-overhead"), its prefill and decode graphs planned apart; with the formats forced its
+    decode graph runs 2:4, q, k and v in one call, gate and up in another."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    result = bench.main(["--device", "cpu", "--tiny", "--modes", "graphs", "--backend", "--force-formats",
+                         "--batches", "2", "--patterns", "2:4", "--prompt", "12", "--new-tokens", "5",
+                         "--repeats", "1", "--models", "llama-1b", "--loops", "greedy_loop"])
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"dense", "sparsecc", "sparsecc-backend"}
+    backend = rows["sparsecc-backend"]
+    assert backend["same_tokens"] is True and backend["rel_err"] <= TOLERANCE
+    assert backend["choices"].get("2:4", 0) >= 2 * 7 and backend["shared_calls"] >= 2 * 2
+    assert backend["tokens_per_s"] > 0 and backend["weight_bytes"] is None
+    assert list(tmp_path.glob("generate-*.png"))

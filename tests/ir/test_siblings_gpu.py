@@ -1,0 +1,83 @@
+"""Sibling sites on sparsecc's 2:4 kernels (fp16, a Hopper GPU): q, k, v, gate and up, reading one
+x, run as one call on their stacked weight, against an fp64 reference of the same fp16 weights, at a
+decode step's rows, the tensor-core small-batch kernels' and the GEMMs', through sparsecc.compile
+and through the torch.compile backend."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sparsecc
+from sparsecc.backend import COMPILED, make_backend
+
+from conftest import TOLERANCE, kernels_of_24_sites, n_m, rel_error
+from test_generate import SparseOps
+
+pytestmark = pytest.mark.gpu
+
+#: q, k and v; gate and up; down; and all five but down stacked
+SHAPES = [(256, 256), (128, 256), (512, 256), (256, 512), (1536, 256)]
+#: what this module runs, compiled in one parallel build before the first test (conftest)
+KERNELS = kernels_of_24_sites(SHAPES, (torch.float16,))
+#: two layers in a row, each within fp16 tolerance
+ERROR = 2 * TOLERANCE[torch.float16]
+
+
+class Block(nn.Module):
+    """An attention's projections and an MLP reading the same x, the sums read by ``down``."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(256, 256), nn.Linear(256, 128, bias=False), nn.Linear(256, 128)
+        self.gate, self.up = nn.Linear(256, 512, bias=False), nn.Linear(256, 512, bias=False)
+        self.down = nn.Linear(512, 256)
+        with torch.no_grad():
+            for layer in (self.q, self.k, self.v, self.gate, self.up, self.down):
+                layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, gen))
+                if layer.bias is not None:
+                    layer.bias.normal_(generator=gen)
+
+    def forward(self, x):
+        attention = torch.relu(self.q(x))[..., :128] * self.k(x) + self.v(x)
+        return self.down(F.silu(self.gate(x)) * self.up(x)) + attention.sum(-1, keepdim=True)
+
+
+def block(gen) -> nn.Module:
+    return Block(gen).half().cuda().eval()
+
+
+def reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    import copy
+    with torch.no_grad():
+        return copy.deepcopy(model).double()(x.double())
+
+
+@pytest.mark.parametrize("m", [1, 16, 200])
+def test_compile_runs_the_group_in_one_call(gen, m):
+    model = block(gen)
+    x = torch.randn(m, 256, generator=gen).half().cuda()
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    groups = {site.group for site in compiled.sparsecc_plan if site.group}
+    assert groups == {"q.weight+k.weight+v.weight+gate.weight+up.weight"}
+    for rows in (m, m + 3):                      # the planned batch and another
+        x = torch.randn(rows, 256, generator=gen).half().cuda()
+        with torch.no_grad(), SparseOps() as ops:
+            y = compiled(x)
+        assert sum(ops.rows.values()) == 2                          # the five, then down
+        assert rel_error(y.double(), reference(model, x)) <= ERROR
+
+
+def test_the_backend_runs_the_group_in_one_call(gen):
+    model = block(gen)
+    x = torch.randn(8, 256, generator=gen).half().cuda()
+    torch._dynamo.reset()
+    COMPILED.clear()
+    try:
+        compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+        with torch.no_grad():
+            y = compiled(x)
+        [graph] = COMPILED
+        assert sum(site.group is not None for site in graph.plan) == 5
+        assert rel_error(y.double(), reference(model, x)) <= ERROR
+    finally:
+        torch._dynamo.reset()

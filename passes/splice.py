@@ -88,10 +88,23 @@ def _call_group_op(gm: fx.GraphModule, nodes: list[fx.Node], group: SiblingGroup
             if member.activation != group.activation:
                 output = gm.graph.call_function(apply_activation, (output, member.activation.value))
             node.replace_all_uses_with(output)
+            _reshape_not_view(output)
     for node in nodes:
         inputs = node.all_input_nodes
         gm.graph.erase_node(node)
         erase_dead_inputs(gm.graph, inputs)
+
+
+def _reshape_not_view(output: fx.Node) -> None:
+    """A member's output is a view of the shared one, its rows ``sum of N`` apart: a ``.view`` that
+    merges its last dimension with another (``y.view(-1)``) cannot take it, so each ``.view`` of it
+    becomes ``.reshape`` (the same view where one exists, else a copy, where the site's own
+    contiguous output would have been viewed)."""
+    for user in list(output.users):
+        if user.op == "call_method" and user.target == "view" and user.args[0] is output:
+            user.target = "reshape"
+        elif user.op == "call_function" and user.target is torch.Tensor.view and user.args[0] is output:
+            user.target = torch.Tensor.reshape
 
 
 def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list[fx.Node | None]:

@@ -120,3 +120,31 @@ def test_siblings_share_one_call_split_into_their_outputs(gen):
     held = [p for p in [*gm.parameters(), *gm.buffers()]]
     assert not any(p is getattr(model, name).weight for p in held for name in ("q", "k", "v", "gate", "up"))
     assert any(p is model.out.weight for p in held)
+
+
+def test_a_view_of_a_siblings_output_still_works(gen):
+    """A member's output is a strided view of the shared one: ``.view`` of it becomes ``.reshape``
+    (``y.view(-1)`` of a split column block could not be a view)."""
+    from sparsecc.ir import siblings
+    from sparsecc.ir.analysis import analyze
+    from sparsecc.ir.formats import FormatSpec
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 16), nn.Linear(32, 8)
+            with torch.no_grad():
+                self.a.weight.copy_(n_m(16, 32, 2, 4, gen))
+                self.b.weight.copy_(n_m(8, 32, 2, 4, gen))
+
+        def forward(self, x):
+            return self.a(x).view(-1).sum() + self.b(x).view(x.shape[0], 2, 4)
+
+    model, x = Flat(), torch.randn(3, 32, generator=gen)
+    gm, sites = prepared(model, x)
+    [group] = siblings.find(sites, {s.name: (FormatSpec.parse("2:4"), (), None) for s in sites},
+                            {s.name: analyze(s.weight) for s in sites})
+    group.packed = pack(group.weight(), "2:4")
+    splice.run(gm, {member.name: group for member in group.members})
+    assert ("call_method", "view") not in ops(gm) and ops(gm).count(("call_method", "reshape")) == 2
+    assert_rel_close(gm(x), model(x), torch.float32)

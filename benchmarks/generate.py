@@ -4,7 +4,8 @@ of ``model.generate`` (greedy, KV cache), the dense model against sparsecc's, in
 Models, built from configs (nothing is downloaded), fp16: ``llama-1b`` (LlamaForCausalLM with
 Llama-3.2-1B's shapes: hidden 2048, MLP 8192, 16 layers, 32 heads, 8 KV heads; 32k vocabulary)
 and ``gpt2`` (GPT2LMHeadModel, GPT-2 small: hidden 768, 12 layers). Each is pruned with
-``sparsecc.prune`` (embeddings and the LM head left dense) to a pattern: ``2:4``,
+``sparsecc.prune`` (embeddings and the LM head left dense; by magnitude, or with ``--criterion wanda`` by
+Wanda's scores on random-token calibration prompts) to a pattern: ``2:4``,
 ``block64x64@0.1`` (64x64 blocks, 10% kept) or ``unstructured@0.5``. The ``dense`` impl is the
 pruned model as it is (cuBLAS); ``sparsecc`` is ``sparsecc.compile(model, prompts)``, planned for M
 from the batch (a decode step) to batch x prompt length (the prefill).
@@ -119,6 +120,22 @@ def build(name: str, *, tiny: bool, device: torch.device, dtype: torch.dtype) ->
     return model.to(dtype).eval()
 
 
+#: calibration prompts --criterion wanda runs (random tokens: no dataset is read), and their length
+CALIBRATION_PROMPTS, CALIBRATION_LENGTH = 4, 128
+
+
+def prune(model, pattern: str, args):
+    """``sparsecc.prune`` with EXCLUDE left dense, by ``--criterion``: magnitude, or Wanda with
+    CALIBRATION_PROMPTS prompts of random tokens as its calibration batches."""
+    if args.criterion == "magnitude":
+        return sparsecc.prune(model, pattern, exclude=EXCLUDE)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device).manual_seed(0)
+    batches = [torch.randint(1, model.config.vocab_size, (1, CALIBRATION_LENGTH), device=device, generator=gen)
+               for _ in range(CALIBRATION_PROMPTS)]
+    return sparsecc.prune(model, pattern, exclude=EXCLUDE, criterion=args.criterion, calibration=batches)
+
+
 def format_of(pattern: str) -> str:
     """The sparsecc format that stores ``pattern`` exactly (for --force-formats): n:m as is,
     ``block<h>x<w>@d`` as ``bsr<h>x<w>``, ``unstructured@d`` as ``csr``."""
@@ -224,7 +241,7 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
     for pattern in patterns:
         started = time.perf_counter()
         pruned = copy.deepcopy(base)
-        report = sparsecc.prune(pruned, pattern, exclude=EXCLUDE)
+        report = prune(pruned, pattern, args)
         with torch.no_grad():
             dense.load_state_dict(pruned.state_dict())    # in place: the dense graphs read the new weights
         sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
@@ -266,6 +283,7 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "mode": mode, "loop": loop, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                    "M": batch * args.prompt, "dtype": str(dtype).replace("torch.", ""),
                    "density": round(report.density, 4), "block": 64 if pattern.startswith("block64") else None,
+                   "criterion": args.criterion,
                    "ttft_ms": round(timing.ttft_ms, 3),
                    "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
                    "rel_err": None if impl == "dense" else quality[impl]["rel_err"],
@@ -327,7 +345,7 @@ def run_quantized(name: str, batch: int, pattern: str, mode: str, args, base, de
     module docstring), timed and compared as :func:`run_group` does."""
     started = time.perf_counter()
     pruned = copy.deepcopy(base)
-    report = sparsecc.prune(pruned, pattern, exclude=EXCLUDE)
+    report = prune(pruned, pattern, args)
     sparsecc.quantize(pruned, args.quantize, exclude=EXCLUDE)
     prompts = torch.randint(1, pruned.config.vocab_size, (batch, args.prompt), device=device,
                             generator=torch.Generator(device).manual_seed(batch))
@@ -400,6 +418,8 @@ def main(argv=None) -> dict:
                         help="run the shipped tuning table's launches, tuning nothing (default: tune as compile does)")
     parser.add_argument("--quantize", choices=["fp8"], default=None,
                         help="quantize both sides (sparsecc.quantize) and compile them dense and n:m (see above)")
+    parser.add_argument("--criterion", choices=["magnitude", "wanda"], default="magnitude",
+                        help="how sparsecc.prune picks the weights it keeps (wanda: on random-token prompts)")
     parser.add_argument("--backend", action="store_true",
                         help="graphs mode: also time the model through torch.compile(backend=\"sparsecc\") (see above)")
     parser.add_argument("--profile", action="store_true",
@@ -423,11 +443,12 @@ def main(argv=None) -> dict:
     result = environment("generate")
     result["transformers"] = __import__("transformers").__version__
     chosen = cases(args)
-    keys = {(m, p, b, mode) for m, p, b in chosen for mode in args.modes}
+    keys = {(m, p, b, mode, args.criterion) for m, p, b in chosen for mode in args.modes}
     earlier = RESULTS / f"{args.stem}-{result['device'].replace(' ', '_').replace('/', '_')}-{result['date']}.json"
     if earlier.is_file() and not args.build_only:      # a run of some cases keeps the others' rows of the day
         result["rows"] = [r for r in json.loads(earlier.read_text())["rows"]
-                          if (r["model"], r["pattern"], r["batch"], r["mode"]) not in keys]
+                          if (r["model"], r["pattern"], r["batch"], r["mode"], r.get("criterion", "magnitude"))
+                          not in keys]
     path = None
     for (name, batch), group in itertools.groupby(sorted(chosen, key=lambda c: (c[0], c[2])), key=lambda c: (c[0], c[2])):
         patterns = list(dict.fromkeys(p for _, p, _ in group))

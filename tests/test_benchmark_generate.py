@@ -115,3 +115,18 @@ def test_the_backend_impl_generates_what_dense_does(tmp_path, monkeypatch):
     assert backend["choices"].get("2:4", 0) >= 2 * 7 and backend["shared_calls"] >= 2 * 2
     assert backend["tokens_per_s"] > 0 and backend["weight_bytes"] is None
     assert list(tmp_path.glob("generate-*.png"))
+
+
+def test_wanda_prunes_on_calibration_prompts():
+    """``--criterion wanda``: the masks come from Wanda's scores on random-token prompts, so they
+    differ from magnitude's at the same density."""
+    model = bench.build("llama-1b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)
+    by_magnitude, by_wanda = [__import__("copy").deepcopy(model) for _ in range(2)]
+    magnitude = bench.prune(by_magnitude, "unstructured@0.5", SimpleNamespace(criterion="magnitude"))
+    wanda = bench.prune(by_wanda, "unstructured@0.5", SimpleNamespace(criterion="wanda"))
+    assert (magnitude.criterion, wanda.criterion) == ("magnitude", "wanda")
+    assert abs(wanda.density - 0.5) < 0.01 and abs(magnitude.density - 0.5) < 0.01
+    weight = "model.layers.0.mlp.down_proj.weight"
+    masks = [dict(m.named_parameters())[weight] != 0 for m in (by_magnitude, by_wanda)]
+    assert not torch.equal(*masks)
+    assert torch.equal(dict(by_wanda.named_parameters())["lm_head.weight"], dict(model.named_parameters())["lm_head.weight"])

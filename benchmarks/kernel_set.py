@@ -133,11 +133,12 @@ def dense_session_specs() -> list[KernelSpec]:
 
 def sparse24_tuning_session_specs() -> list[KernelSpec]:
     """What tuning 2:4 weights of any shape at any batch times (unseen_shapes.py): the compressors
-    and every candidate of the 2:4 GEMM and of the tensor-core small-batch kernel, both dtypes."""
+    and every candidate of the 2:4 GEMM and of both small-batch kernels, both dtypes."""
     specs = []
     for name in ("float16", "bfloat16"):
         dtype = getattr(torch, name)
-        specs += [KernelSpec(Family.SM90_COMPRESS24, name)] + candidates(GEMM, dtype) + candidates(MMA, dtype)
+        specs += ([KernelSpec(Family.SM90_COMPRESS24, name)] + candidates(GEMM, dtype) + candidates(MMA, dtype)
+                  + candidates(GEMV, dtype))
     return list(dict.fromkeys(specs))
 
 

@@ -406,7 +406,6 @@ def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel)
         entry = plan[member.name]
         entry.reason += scratch.reason
         entry.bytes_after = group.packed.nbytes * member.out_features // group.stats.shape[0]
-        entry.group = group.name
 
 
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, entry: SitePlan):

@@ -2,6 +2,7 @@
 a smoke run on tiny models of both families with each pattern forced onto its format: a dense
 and a sparsecc row per case and loop (``generate`` and ``greedy_loop``), sparsecc's on sparse formats and planned from one token to the
 prompts, the same tokens and logits within fp32 tolerance, a results file and its plot."""
+import copy
 import importlib.util
 import json
 import sys
@@ -121,7 +122,7 @@ def test_wanda_prunes_on_calibration_prompts():
     """``--criterion wanda``: the masks come from Wanda's scores on random-token prompts, so they
     differ from magnitude's at the same density."""
     model = bench.build("llama-1b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)
-    by_magnitude, by_wanda = [__import__("copy").deepcopy(model) for _ in range(2)]
+    by_magnitude, by_wanda = [copy.deepcopy(model) for _ in range(2)]
     magnitude = bench.prune(by_magnitude, "unstructured@0.5", SimpleNamespace(criterion="magnitude"))
     wanda = bench.prune(by_wanda, "unstructured@0.5", SimpleNamespace(criterion="wanda"))
     assert (magnitude.criterion, wanda.criterion) == ("magnitude", "wanda")

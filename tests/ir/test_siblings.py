@@ -18,19 +18,24 @@ TWO_FOUR, CSR, DENSE = FormatSpec.parse("2:4"), FormatSpec.parse("csr"), FormatS
 
 
 class Attention(nn.Module):
-    """q, k, v and an MLP's gate and up read x; out reads what they make."""
+    """q, k, v (``width`` wide, k and v half as wide) and an MLP's gate and up (``hidden`` wide) read
+    x; out reads what they make. 2:4 weights, random biases."""
 
-    def __init__(self, gen):
+    def __init__(self, gen, width: int = 32, hidden: int = 24):
         super().__init__()
-        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16, bias=False), nn.Linear(32, 16)
-        self.gate, self.up = nn.Linear(32, 24, bias=False), nn.Linear(32, 24, bias=False)
-        self.out = nn.Linear(24, 32)
+        self.half_width = width // 2
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, self.half_width, bias=False)
+        self.v = nn.Linear(width, self.half_width)
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.out = nn.Linear(hidden, width)
         with torch.no_grad():
             for layer in (self.q, self.k, self.v, self.gate, self.up, self.out):
                 layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, gen))
+                if layer.bias is not None:
+                    layer.bias.normal_(generator=gen)
 
     def forward(self, x):
-        attention = torch.relu(self.q(x))[..., :16] * self.k(x) + self.v(x)
+        attention = torch.relu(self.q(x))[..., :self.half_width] * self.k(x) + self.v(x)
         return self.out(F.silu(self.gate(x)) * self.up(x)) + attention.sum(-1, keepdim=True)
 
 

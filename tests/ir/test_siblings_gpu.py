@@ -2,20 +2,22 @@
 x, run as one call on their stacked weight, against an fp64 reference of the same fp16 weights, at a
 decode step's rows, the tensor-core small-batch kernels' and the GEMMs', through sparsecc.compile
 and through the torch.compile backend."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import sparsecc
 from sparsecc.backend import COMPILED, make_backend
 
-from conftest import TOLERANCE, kernels_of_24_sites, n_m, rel_error
+from conftest import TOLERANCE, kernels_of_24_sites, rel_error
+from ir.test_siblings import Attention
 from test_generate import SparseOps
 
 pytestmark = pytest.mark.gpu
 
-#: q, k and v; gate and up; down; and all five but down stacked
+#: q, k and v; gate and up; out; and all five but out stacked
 SHAPES = [(256, 256), (128, 256), (512, 256), (256, 512), (1536, 256)]
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = kernels_of_24_sites(SHAPES, (torch.float16,))
@@ -23,31 +25,12 @@ KERNELS = kernels_of_24_sites(SHAPES, (torch.float16,))
 ERROR = 2 * TOLERANCE[torch.float16]
 
 
-class Block(nn.Module):
-    """An attention's projections and an MLP reading the same x, the sums read by ``down``."""
-
-    def __init__(self, gen):
-        super().__init__()
-        self.q, self.k, self.v = nn.Linear(256, 256), nn.Linear(256, 128, bias=False), nn.Linear(256, 128)
-        self.gate, self.up = nn.Linear(256, 512, bias=False), nn.Linear(256, 512, bias=False)
-        self.down = nn.Linear(512, 256)
-        with torch.no_grad():
-            for layer in (self.q, self.k, self.v, self.gate, self.up, self.down):
-                layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, gen))
-                if layer.bias is not None:
-                    layer.bias.normal_(generator=gen)
-
-    def forward(self, x):
-        attention = torch.relu(self.q(x))[..., :128] * self.k(x) + self.v(x)
-        return self.down(F.silu(self.gate(x)) * self.up(x)) + attention.sum(-1, keepdim=True)
-
-
 def block(gen) -> nn.Module:
-    return Block(gen).half().cuda().eval()
+    """test_siblings' model at widths the kernels take: q, k, v of 256 inputs, gate and up 512 wide."""
+    return Attention(gen, width=256, hidden=512).half().cuda().eval()
 
 
 def reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    import copy
     with torch.no_grad():
         return copy.deepcopy(model).double()(x.double())
 
@@ -63,7 +46,7 @@ def test_compile_runs_the_group_in_one_call(gen, m):
         x = torch.randn(rows, 256, generator=gen).half().cuda()
         with torch.no_grad(), SparseOps() as ops:
             y = compiled(x)
-        assert sum(ops.rows.values()) == 2                          # the five, then down
+        assert sum(ops.rows.values()) == 2                          # the five, then out
         assert rel_error(y.double(), reference(model, x)) <= ERROR
 
 

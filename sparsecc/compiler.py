@@ -31,6 +31,7 @@ from .kernels import registry, tune
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
+from .planner.groups import price_together
 from .runtime.kernel_dir import use_kernels
 
 log = logging.getLogger("sparsecc")
@@ -296,11 +297,13 @@ def analyze_sites(sites: list[LinearSite], allowed) -> dict[str, WeightStats]:
 
 def plan_sites(sites, stats, cost_model: CostModel, allowed, device, untraced=None, m_range=None) -> Plan:
     """The cost model's decision for every site (over ``m_range`` if given), with a progress bar
-    where there are many."""
+    where there are many; sibling sites priced together too (sparsecc.planner.groups)."""
     progress = tqdm(sites, desc="sparsecc: planning", unit="site", disable=len(sites) < PROGRESS_MIN_SITES,
                     leave=False)
-    return Plan([_plan_site(s, stats[s.name], cost_model, allowed, m_range) for s in progress], device=str(device),
+    plan = Plan([_plan_site(s, stats[s.name], cost_model, allowed, m_range) for s in progress], device=str(device),
                 untraced=untraced or {})
+    price_together(sites, stats, plan, cost_model, allowed)
+    return plan
 
 
 def _plan_site(site: LinearSite, stats: WeightStats, cost_model: CostModel, allowed, m_range) -> SitePlan:

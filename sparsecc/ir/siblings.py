@@ -76,22 +76,32 @@ def find(sites: list[LinearSite], choices: dict[str, tuple], stats: dict[str, We
     tuple starting with its FormatSpec, e.g. with its batch range), the same weight dtype, device
     and K, neither transposed nor quantized, each weight a different tensor, and the stacked
     weight fitting the format (its statistics, from the members' ``stats``)."""
-    by_key: dict[tuple, list[LinearSite]] = {}
-    for site in sites:
-        choice = choices[site.name]
-        if choice[0].kind == "dense" or site.quantized or site.x_transposed or site.transpose_out:
-            continue
-        key = (site.x, *choice, site.weight.dtype, site.weight.device, site.in_features, site.input_dtype)
-        by_key.setdefault(key, []).append(site)
     groups = []
-    for members in by_key.values():
-        members = _distinct_weights(members)
-        if len(members) < 2:
-            continue
+    for members in _sharing(sites, lambda site: None if choices[site.name][0].kind == "dense" else choices[site.name]):
         group = SiblingGroup(members, choices[members[0].name][0], stacked([stats[m.name] for m in members]))
         if group.stats.fits(group.choice):
             groups.append(group)
     return groups
+
+
+def readers(sites: list[LinearSite]) -> list[list[LinearSite]]:
+    """The sets of two or more ``sites`` that one call could compute if they were planned in the
+    same sparse format: all but the format in common with :func:`find`'s groups."""
+    return _sharing(sites, lambda site: ())
+
+
+def _sharing(sites: list[LinearSite], choice_of) -> list[list[LinearSite]]:
+    """``sites`` by their input node, ``choice_of(site)`` (None: the site takes no part), weight
+    dtype, device and K, leaving out transposed and quantized sites: the sets of two or more
+    distinct weights."""
+    by_key: dict[tuple, list[LinearSite]] = {}
+    for site in sites:
+        choice = choice_of(site)
+        if choice is None or site.quantized or site.x_transposed or site.transpose_out:
+            continue
+        key = (site.x, *choice, site.weight.dtype, site.weight.device, site.in_features, site.input_dtype)
+        by_key.setdefault(key, []).append(site)
+    return [members for members in map(_distinct_weights, by_key.values()) if len(members) >= 2]
 
 
 def stacked(stats: list[WeightStats]) -> WeightStats:

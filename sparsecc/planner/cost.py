@@ -546,6 +546,11 @@ class CostModel:
         return Decision(NM_2_4, f"2:4 up to M={limit}, dense above: {note}; above M={limit}: {decision.reason}",
                         decision.candidates, decision.buckets, above=ABOVE_DENSE)
 
+    def prices_groups(self) -> bool:
+        """Whether sibling sites are also planned as one (:mod:`sparsecc.planner.groups`): where
+        candidates are timed on the GPU for speed."""
+        return self.device.type == "cuda" and self.measure and self.objective == "latency"
+
     def _charges_host(self) -> bool:
         return self.op_by_op and self.device.type == "cuda"
 

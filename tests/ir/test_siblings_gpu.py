@@ -64,3 +64,17 @@ def test_the_backend_runs_the_group_in_one_call(gen):
         assert rel_error(y.double(), reference(model, x)) <= ERROR
     finally:
         torch._dynamo.reset()
+
+
+def test_planning_prices_the_siblings_together(gen):
+    """Unforced, at a decode step's rows: the cost model also times the five stacked (whatever
+    it then chooses, each group runs as one call and the result holds)."""
+    from test_generate import calls
+    model = block(gen)
+    x = torch.randn(1, 256, generator=gen).half().cuda()
+    compiled = sparsecc.compile(model, x)
+    with torch.no_grad(), SparseOps() as ops:
+        y = compiled(x)
+    sparse = [site for site in compiled.sparsecc_plan if site.choice != "dense"]
+    assert sum(ops.rows.values()) == calls(sparse)
+    assert rel_error(y.double(), reference(model, x)) <= ERROR

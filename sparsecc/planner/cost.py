@@ -495,7 +495,7 @@ class CostModel:
             p.measured_us = measured.get(FormatSpec.parse(p.format))
         spec = min(measured, key=measured.get)
         timed = ", ".join(f"{s} {measured[s]:.1f}" for s in sorted(measured, key=measured.get))
-        host = "; op by op: each sparse time includes its host time beyond dense's" if self._charges_host() else ""
+        host = "; op by op: each sparse time includes its host time beyond dense's" if self.charges_host() else ""
         why = (f"timed here at M={at_m} (us{host}): {timed}; predicted ({self.source}): "
                + ", ".join(f"{s} {times[s][-1]:.1f}" for s in shortlist) + f"; at {where}")
         margin = MEASURED_MARGIN["cuda" if self.device.type == "cuda" else "cpu"]
@@ -551,8 +551,14 @@ class CostModel:
         candidates are timed on the GPU for speed."""
         return self.device.type == "cuda" and self.measure and self.objective == "latency"
 
-    def _charges_host(self) -> bool:
+    def charges_host(self) -> bool:
+        """Whether sparse candidates are charged their host time beyond dense's (op by op on the GPU)."""
         return self.op_by_op and self.device.type == "cuda"
+
+    def dense_host_us(self, weight: torch.Tensor, m: int) -> float:
+        """The host microseconds of one dense call of ``weight`` at ``m`` rows, as Inductor's code
+        makes it (:func:`host_times`)."""
+        return host_times(weight, m, {})[DENSE]
 
     def site_timer(self, weight: torch.Tensor, stats: WeightStats, epilogue: Epilogue | None = None):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on
@@ -569,7 +575,7 @@ class CostModel:
             if key is not None and key in self._timings:
                 return dict(self._timings[key])
             timed = time_sites(weight, specs, m, on_kernel=on_kernel, planned_m=planned_m,
-                               host=self._charges_host(), epilogue=epilogue)
+                               host=self.charges_host(), epilogue=epilogue)
             if key is not None:
                 self._timings[key] = dict(timed)
             return timed

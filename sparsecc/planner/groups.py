@@ -8,22 +8,24 @@ alone only breaks even (a 512-row k or v projection at one token) may well pay i
 
 So, where the cost model times its candidates on the GPU, each set of such sites that was not
 planned in one sparse format already is planned once more as one site, their weights stacked, at
-the rows they were planned for. Where the stacked weight's choice is sparse, and its timed call
-beats the members' timed choices added up by the timing margin, every member takes that format
-and the set runs as one call. Sites planned over a batch range are left as planned (their choices
-may differ bucket by bucket), as is a set of which some already share a call.
+the rows they were planned for. Where the stacked weight's fastest timed sparse format beats the
+members' timed choices added up by the timing margin, every member takes that format and the set
+runs as one call. Op by op (sparse times then include their host time beyond one dense call's)
+the stacked call is also credited the dense calls it saves: k dense layers are k host calls, the
+group one. Sites planned over a batch range are left as planned (their choices may differ bucket
+by bucket), as is a set of which some already share a call.
 """
 from __future__ import annotations
 
 from ..ir import siblings
 from ..ir.formats import DENSE, FormatSpec
 from ..ir.plan import Plan, SitePlan
-from .cost import MEASURED_MARGIN, CostModel
+from .cost import DEFAULT_M, MEASURED_MARGIN, CostModel
 
 
 def price_together(sites, stats, plan: Plan, cost_model: CostModel, allowed) -> None:
-    """Give each set of sibling sites the stacked weight's sparse format where one call of it was
-    timed faster than the members as planned (see the module docstring); updates ``plan``."""
+    """Give each set of sibling sites the stacked weight's fastest timed sparse format where one
+    call of it beats the members as planned (see the module docstring); updates ``plan``."""
     if not cost_model.prices_groups():
         return
     for members in siblings.readers(sites):
@@ -37,14 +39,21 @@ def price_together(sites, stats, plan: Plan, cost_model: CostModel, allowed) -> 
         site = group.site()
         decision = cost_model.decide(group.stats, members[0].m, allowed,
                                      measure_sites=cost_model.site_timer(site.weight, group.stats, site.epilogue))
-        choice, together = decision.choice, _timed(decision.candidates, str(decision.choice))
-        if (choice.kind == "dense" or decision.above or together is None
-                or not all(stats[member.name].fits(choice) for member in members)
-                or together > MEASURED_MARGIN["cuda"] * sum(alone)):
+        timed = {FormatSpec.parse(c.format): c.measured_us for c in decision.candidates if c.measured_us is not None}
+        sparse = [spec for spec in timed if spec.kind != "dense" and all(stats[m.name].fits(spec) for m in members)]
+        if not sparse:
+            continue
+        choice = min(sparse, key=timed.get)
+        together = timed[choice]
+        saved = (len(members) - 1) * cost_model.dense_host_us(site.weight, members[0].m or DEFAULT_M) \
+            if cost_model.charges_host() else 0.0
+        if together - saved > MEASURED_MARGIN["cuda"] * sum(alone):
             continue
         n, k = group.stats.shape
+        host = (f" (op by op one host call where dense makes {len(members)}: {saved:.1f} us less)"
+                if saved else "")
         why = (f"{choice} with its siblings, in one call ({group.name}): their stacked {n}x{k} weight was timed "
-               f"{together:.1f} us as {choice}, the {len(members)} as planned alone {sum(alone):.1f} us")
+               f"{together:.1f} us as {choice}{host}, the {len(members)} as planned alone {sum(alone):.1f} us")
         for entry in entries:
             _take(entry, choice, f"{why}; alone: {entry.reason}")
 

@@ -23,12 +23,20 @@ class TimedTable(CostModel):
     """Timings from a table, by the weight's rows: dense 10 us a site alone and 2:4 ``alone``
     (11: each stays dense), and for the stacked weight dense 50 us and 2:4 ``together``."""
 
-    def __init__(self, together: float, alone=lambda rows: 11.0):
+    def __init__(self, together: float, alone=lambda rows: 11.0, dense_call_us: float | None = None):
         super().__init__("cpu")
         self.together, self.alone, self.decided = together, alone, []
+        self.dense_call_us = dense_call_us       # op by op: a dense call's host time, else None
 
     def prices_groups(self) -> bool:
         return True
+
+    def charges_host(self) -> bool:
+        return self.dense_call_us is not None
+
+    def dense_host_us(self, weight, m) -> float:
+        assert weight.shape == (STACKED_ROWS, 32) and m == 4
+        return self.dense_call_us
 
     def decide(self, stats, m, allowed, measure_sites=None, m_range=None) -> Decision:
         rows = stats.shape[0]
@@ -64,6 +72,16 @@ def test_siblings_stay_as_planned_unless_one_call_beats_them_by_the_margin(gen):
     _, compiled, _ = compiled_with(TimedTable(together=48.0), gen)       # 0.95 x 50 = 47.5
     assert {site.choice for site in compiled.sparsecc_plan} == {"dense"}
     assert all(site.group is None for site in compiled.sparsecc_plan)
+
+
+def test_op_by_op_one_call_is_credited_the_dense_host_calls_it_saves(gen):
+    """Op by op the five dense layers are five host calls, the stacked one call: 4 x 2 us."""
+    _, compiled, _ = compiled_with(TimedTable(together=55.0, dense_call_us=2.0), gen)     # 55 - 8 <= 47.5
+    readers = [site for site in compiled.sparsecc_plan if site.name.split(".")[0] != "out"]
+    assert {site.choice for site in readers} == {"2:4"} and len({site.group for site in readers}) == 1
+    assert "one host call where dense makes 5: 8.0 us less" in readers[0].reason
+    _, compiled, _ = compiled_with(TimedTable(together=56.0, dense_call_us=2.0), gen)
+    assert {site.choice for site in compiled.sparsecc_plan} == {"dense"}
 
 
 def test_siblings_already_sharing_a_call_are_left_as_planned(gen):

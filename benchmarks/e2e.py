@@ -35,7 +35,7 @@ overhead is gone on all sides. Run as a script it sets ``SPARSECC_TUNE=off`` and
 machine's tuned launches out (common.fixed_dispatch): sparsecc's sites run the shipped tuning
 table's launches, the same on every run, and compiling tunes nothing.
 
-    python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...]
+    python benchmarks/e2e.py [--models bert-large llama-1b-prefill ...] [--impls sparsecc ...]
     python benchmarks/e2e.py --plot results/e2e-<gpu>-<date>.json     # redraw a results file's plot
 """
 from __future__ import annotations
@@ -66,6 +66,8 @@ CASES = {
     "vit-b16": ("vit-b16", 256, 0, "block64x64@0.1"),
     "gpt2": ("gpt2", 8, 512, "2:4"),
 }
+#: what each model runs as (see the docstring)
+IMPLS = ["eager", "inductor", "sparsecc", "inductor-graphs", "sparsecc-backend-graphs", "sparsecc-graphs"]
 #: interleaved timing rounds per model, and calls per timing (see the docstring)
 ROUNDS = 9
 CALLS = 10
@@ -115,6 +117,9 @@ def pruned_model(case: str):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(CASES))
+    parser.add_argument("--impls", nargs="*", choices=IMPLS, default=IMPLS,
+                        help="the implementations to run (inductor, the baseline, always runs); a results file of "
+                             "the same day and GPU keeps the others' rows")
     parser.add_argument("--plot", metavar="JSON", help="only draw the plot of an existing results file")
     args = parser.parse_args(argv)
     if args.plot:
@@ -126,9 +131,11 @@ def main(argv=None) -> dict:
     # the models' attention depends on it: some versions build ViT's all-visible mask under
     # torch.compile (not eagerly), which sends SDPA to its fp32 math path (README)
     result["transformers"] = __import__("transformers").__version__
+    chosen = {"inductor", *args.impls}
     earlier = RESULTS / f"e2e-{result['device'].replace(' ', '_')}-{result['date']}.json"
     if earlier.is_file():        # a run of some models keeps the others' rows of the same day and GPU
-        result["rows"] = [r for r in json.loads(earlier.read_text())["rows"] if r["model"] not in args.models]
+        result["rows"] = [r for r in json.loads(earlier.read_text())["rows"]
+                          if r["model"] not in args.models or r["impl"] not in chosen]
     path = None
     for case in args.models:
         _, batch, seq, pattern = CASES[case]
@@ -142,6 +149,7 @@ def main(argv=None) -> dict:
                      "inductor-graphs": lambda: torch.compile(model, mode="reduce-overhead"),
                      "sparsecc-backend-graphs": lambda: torch.compile(model, backend="sparsecc", mode="reduce-overhead"),
                      "sparsecc-graphs": lambda: torch.compile(sparsecc.compile(model, inputs), mode="reduce-overhead")}
+            impls = {impl: make for impl, make in impls.items() if impl in chosen}
             compiled, rows = {}, {}
             for impl, make in impls.items():
                 before = len(COMPILED)

@@ -20,8 +20,8 @@ Modes, the same for both impls:
 
 With ``--backend`` (graphs mode) a third impl, ``sparsecc-backend``, is the pruned model with
 ``model.forward = torch.compile(model.forward, backend="sparsecc", mode="reduce-overhead",
-dynamic=False)``: Dynamo captures the prefill and the decode step as separate graphs, and the
-backend plans and packs each for its own batch size (in the decode graph of a Llama, q, k and v
+dynamic=False)`` (``--backend-only``: instead of ``sparsecc``, to save its compile): Dynamo captures
+the prefill and the decode step as separate graphs, and the backend plans and packs each for its own batch size (in the decode graph of a Llama, q, k and v
 share one call, as do gate and up); its rows' ``choices`` count both graphs' sites.
 
 Loops, each timed on both impls: ``generate`` (``model.generate``, greedy) and ``greedy_loop``
@@ -244,21 +244,24 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
         report = prune(pruned, pattern, args)
         with torch.no_grad():
             dense.load_state_dict(pruned.state_dict())    # in place: the dense graphs read the new weights
-        sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
-        plan = sparse.sparsecc_plan
-        if args.show_plan:
-            print(plan.table(), flush=True)
+        sparse = plan = None
+        if not args.backend_only:
+            sparse = sparsecc.compile(pruned, prompts, formats=(format_of(pattern),) if args.force_formats else None)
+            plan = sparse.sparsecc_plan
+            if args.show_plan:
+                print(plan.table(), flush=True)
         if args.build_only:
             print(f"{name} {pattern} batch {batch}: compiled ({time.perf_counter() - started:.0f} s)", flush=True)
             continue
-        if mode == "graphs":
-            sparse.forward = torch.compile(sparse.forward, mode="reduce-overhead", dynamic=False)
-            sparse.generation_config = copy.deepcopy(sparse.generation_config)
-            sparse.generation_config.disable_compile = True
-            caches["sparsecc"] = static_cache(sparse, args.prompt + args.new_tokens)
-        models = {"dense": dense, "sparsecc": sparse}
-        plans = {"sparsecc": [plan]}
-        if args.backend and mode == "graphs":
+        models, plans = {"dense": dense}, {}
+        if sparse is not None:
+            if mode == "graphs":
+                sparse.forward = torch.compile(sparse.forward, mode="reduce-overhead", dynamic=False)
+                sparse.generation_config = copy.deepcopy(sparse.generation_config)
+                sparse.generation_config.disable_compile = True
+                caches["sparsecc"] = static_cache(sparse, args.prompt + args.new_tokens)
+            models["sparsecc"], plans["sparsecc"] = sparse, [plan]
+        if (args.backend or args.backend_only) and mode == "graphs":
             forced = (format_of(pattern),) if args.force_formats else None
             models["sparsecc-backend"], plans["sparsecc-backend"] = through_backend(pruned, forced)
             caches["sparsecc-backend"] = static_cache(models["sparsecc-backend"], args.prompt + args.new_tokens)
@@ -293,7 +296,8 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "shared_calls": None if impl == "dense" else len({s.group for s in sites if s.group}),
                    "dense_above_small_batches": None if impl == "dense" else sum(s.above == "dense" for s in sites),
                    "m_range": None if impl != "sparsecc" else (plan.sites[0].m_range if plan.sites else None),
-                   "weight_bytes": {"dense": plan.bytes_before, "sparsecc": plan.bytes_after}.get(impl)}
+                   "weight_bytes": {"dense": plan.bytes_before, "sparsecc": plan.bytes_after}.get(impl) if plan
+                   else None}
             if impl in profiled:
                 row["decode_kernels"] = profiled[impl]
             rows.append(row)
@@ -422,6 +426,8 @@ def main(argv=None) -> dict:
                         help="how sparsecc.prune picks the weights it keeps (wanda: on random-token prompts)")
     parser.add_argument("--backend", action="store_true",
                         help="graphs mode: also time the model through torch.compile(backend=\"sparsecc\") (see above)")
+    parser.add_argument("--backend-only", action="store_true",
+                        help="graphs mode: time the backend impl (as --backend) and not sparsecc.compile's")
     parser.add_argument("--profile", action="store_true",
                         help="add each row's decode step kernels (torch.profiler; see above)")
     parser.add_argument("--stem", default="generate", help="the results file's name before the device")
@@ -431,6 +437,8 @@ def main(argv=None) -> dict:
         result = json.loads(Path(args.plot).read_text())
         plot(result, Path(args.plot).with_suffix(".png"))
         return result
+    if args.backend_only and (args.build_only or args.quantize or args.modes != ["graphs"]):
+        parser.error("--backend-only times the backend in graphs mode only; not with --build-only or --quantize")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device (use --device cpu --tiny for a smoke run)")

@@ -100,17 +100,20 @@ def test_a_decode_steps_kernels_are_profiled():
 
 
 @pytest.mark.slow
-def test_the_backend_impl_generates_what_dense_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag, impls", [("--backend", {"dense", "sparsecc", "sparsecc-backend"}),
+                                         ("--backend-only", {"dense", "sparsecc-backend"})])
+def test_the_backend_impl_generates_what_dense_does(tmp_path, monkeypatch, flag, impls):
     """``--backend``: the pruned model through torch.compile(backend="sparsecc",
     mode="reduce-overhead"), its prefill and decode graphs planned apart; with the formats forced its
-    decode graph runs 2:4, q, k and v in one call, gate and up in another."""
+    decode graph runs 2:4, q, k and v in one call, gate and up in another. ``--backend-only``: the
+    same without sparsecc.compile's impl."""
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setattr(bench, "RESULTS", tmp_path)
-    result = bench.main(["--device", "cpu", "--tiny", "--modes", "graphs", "--backend", "--force-formats",
+    result = bench.main(["--device", "cpu", "--tiny", "--modes", "graphs", flag, "--force-formats",
                          "--batches", "2", "--patterns", "2:4", "--prompt", "12", "--new-tokens", "5",
                          "--repeats", "1", "--models", "llama-1b", "--loops", "greedy_loop"])
     rows = {row["impl"]: row for row in result["rows"]}
-    assert set(rows) == {"dense", "sparsecc", "sparsecc-backend"}
+    assert set(rows) == impls
     backend = rows["sparsecc-backend"]
     assert backend["same_tokens"] is True and backend["rel_err"] <= TOLERANCE
     assert backend["choices"].get("2:4", 0) >= 2 * 7 and backend["shared_calls"] >= 2 * 2

@@ -16,6 +16,11 @@
 set -u -o pipefail
 OUT=${OUT:-/tmp/sparsecc-out}; mkdir -p "$OUT"
 touch /tmp/session-start      # results written after this are copied to $OUT at the end
+# ... also when a time limit stops the session (timeout's SIGTERM): what finished comes back
+copy_results() {
+  find benchmarks/results -maxdepth 1 -newer /tmp/session-start \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT/" \;
+}
+trap copy_results EXIT
 export PYTHONUNBUFFERED=1 SPARSECC_CACHE_DIR=${SPARSECC_CACHE_DIR:-$PWD/.kcache} SPARSECC_BUILD_JOBS=${SPARSECC_BUILD_JOBS:-16}
 # what the session carries (benchmarks/README.md): the CUTLASS headers, as the nvidia-cutlass wheel
 # in .whl/ or as .carry/cutlass.tgz, and .carry/kcache.txz, a kernel cache built before (optional;
@@ -87,5 +92,5 @@ if [ -n "${UNSEEN_ARGS:-}" ]; then
   done
 fi
 cat /tmp/probe.txt | tee -a "$OUT/session.log"
-find benchmarks/results -maxdepth 1 -newer /tmp/session-start \( -name '*.json' -o -name '*.png' \) -exec cp {} "$OUT/" \;
+copy_results
 ls "$OUT"

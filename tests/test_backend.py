@@ -240,6 +240,27 @@ def test_the_rewritten_graph_runs_only_if_faster_than_the_dense_one(monkeypatch,
         assert all(s.bytes_after == s.bytes_before for s in graph.plan)
 
 
+def test_the_race_runs_on_the_graphs_first_call_not_while_dynamo_compiles(monkeypatch):
+    """The rewritten graph and its dense rival are timed when the graph is first called (as the
+    user's calls run), once: not inside the backend's compile."""
+    raced, at_compile = [], []
+    monkeypatch.setattr(check, "race", lambda first, second, *, cuda: raced.append(1) or (50.0, 100.0))
+    inner = make_backend(formats=("2:4",), check_graph=True)
+
+    def backend(gm, inputs):
+        compiled = inner(gm, inputs)
+        at_compile.append(len(raced))
+        return compiled
+
+    model = _pruned_mlp()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_rel_close(compiled(x), model(x), torch.float32)
+    assert at_compile == [0] and raced == [1]
+
+
 def test_a_graph_that_writes_in_place_is_not_run_again(monkeypatch):
     """Extra calls of a graph that updates a buffer in place would change the model's state: such
     a graph is not raced, and the plan's choice stands."""

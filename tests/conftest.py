@@ -184,3 +184,17 @@ def pytest_collection_finish(session):
         ensure(specs)
     except KernelBuildError as error:
         print(f"building the GPU tests' kernels failed: {str(error).splitlines()[0]}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The kernels this test session compiled, not found in their kernel cache: on a GPU machine,
+    what a cache carried there lacked (tests/runtime/test_build.py compiles its own on purpose)."""
+    built = build_module.TOTAL_BUILD
+    if built.built:
+        shown = ", ".join(built.symbols[:SHOWN_SYMBOLS]) + (", ..." if built.built > SHOWN_SYMBOLS else "")
+        terminalreporter.write_line(f"sparsecc: the tests compiled {built.built} kernels not in their cache "
+                                    f"({built.seconds:.0f} s): {shown}")
+
+
+#: the compiled kernels the summary names
+SHOWN_SYMBOLS = 30

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -159,6 +159,7 @@ class BuildStats:
     built: int = 0
     cached: int = 0
     seconds: float = 0.0
+    symbols: list[str] = field(default_factory=list)     # the kernels compiled (not found in the cache)
 
 
 LAST_BUILD = BuildStats()     # the latest call of build()
@@ -190,7 +191,7 @@ def build(specs, *, cache: KernelCache | None = None, jobs: int | None = None,
             for future in as_completed(futures):
                 found[futures[future]] = future.result()
                 bar.update()
-        stats.built = len(todo)
+        stats.built, stats.symbols = len(todo), [spec.symbol for spec in todo]
     stats.seconds = time.perf_counter() - start
     LAST_BUILD.__dict__.update(stats.__dict__)
     for name, value in stats.__dict__.items():

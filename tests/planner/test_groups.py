@@ -92,6 +92,15 @@ def test_siblings_already_sharing_a_call_are_left_as_planned(gen):
     assert STACKED_ROWS not in cost_model.decided
 
 
+def test_siblings_planned_over_a_batch_range_keep_their_own_choices(gen):
+    """Over a range each bucket may choose differently: such sites are not priced as one."""
+    cost_model = TimedTable(together=20.0)
+    model = Attention(gen).eval()
+    compiled = sparsecc.compile(model, torch.randn(4, 32, generator=gen), cost_model=cost_model, m_range=(1, 8))
+    assert {site.choice for site in compiled.sparsecc_plan} == {"dense"}
+    assert STACKED_ROWS not in cost_model.decided
+
+
 @pytest.mark.parametrize("measure", [False, True])
 def test_only_a_gpus_timings_price_groups(measure):
     assert not CostModel("cpu", measure=measure).prices_groups()

@@ -257,7 +257,7 @@ class CostModel:
         self.objective, self.max_slowdown = objective, float(max_slowdown)
         self.calibration = calib.for_device(self.device) if calibration == "auto" else calibration
         self._reference: tuple[float, float] | None = None     # (fastest reference_us seen, when last timed)
-        self._timings: dict[tuple, dict] = {}                   # site_timer's, shared by sites alike
+        self._timings: dict[tuple, object] = {}                 # site_timer's and dense_host_us', shared by sites alike
         #: seconds of timing this model may spend over a plan's sites; past it, predictions decide
         self.timing_budget_s = TIMING_BUDGET_S["cuda" if self.device.type == "cuda" else "cpu"]
         self.timing_spent_s = 0.0
@@ -557,8 +557,12 @@ class CostModel:
 
     def dense_host_us(self, weight: torch.Tensor, m: int) -> float:
         """The host microseconds of one dense call of ``weight`` at ``m`` rows, as Inductor's code
-        makes it (:func:`host_times`)."""
-        return host_times(weight, m, {})[DENSE]
+        makes it (:func:`host_times`); timed once per shape, dtype and rows, so that layers alike
+        are weighed alike (as :meth:`site_timer` shares its timings)."""
+        key = ("dense-host", tuple(weight.shape), weight.dtype, weight.device, m)
+        if key not in self._timings:
+            self._timings[key] = host_times(weight, m, {})[DENSE]
+        return self._timings[key]
 
     def site_timer(self, weight: torch.Tensor, stats: WeightStats, epilogue: Epilogue | None = None):
         """The ``measure_sites`` of :meth:`decide` for one site: times its candidates on

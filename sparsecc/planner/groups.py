@@ -35,6 +35,7 @@ def price_together(sites, stats, plan: Plan, cost_model: CostModel, allowed) -> 
         alone = [_timed(entry.candidates, entry.choice) for entry in entries]
         if None in alone:
             continue
+        # the stacked weight to plan (its format is what is being chosen: none yet)
         group = siblings.SiblingGroup(members, DENSE, siblings.stacked([stats[m.name] for m in members]))
         site = group.site()
         decision = cost_model.decide(group.stats, members[0].m, allowed,

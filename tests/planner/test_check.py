@@ -1,7 +1,9 @@
 """The whole-program check (sparsecc.planner.check): which graphs may be run again to time them,
 the race itself, and the all-dense plan it leaves when the rewritten program loses."""
+import gc
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -28,6 +30,18 @@ def test_racing_two_graphs_times_both():
     x = torch.randn(64, 8)
     times = race(lambda: slow(x.repeat(8, 128)), lambda: fast(x), cuda=False)
     assert all(t > 0 for t in times) and times[0] > times[1]
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_the_race_runs_with_the_collector_paused_and_leaves_it_as_it_was(collecting):
+    seen = []
+    (gc.enable if collecting else gc.disable)()
+    try:
+        race(lambda: seen.append(gc.isenabled()), lambda: seen.append(gc.isenabled()), cuda=False)
+        assert seen and not any(seen)
+        assert gc.isenabled() == collecting
+    finally:
+        gc.enable()
 
 
 def test_graphs_run_again_only_on_real_inputs_and_without_in_place_writes():

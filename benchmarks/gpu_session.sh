@@ -33,6 +33,12 @@ else
   export SPARSECC_CUTLASS_DIR=/tmp/cutlass/source/include
 fi
 [ -f .carry/kcache.txz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ] && tar xJf .carry/kcache.txz
+# a cache keeps its kernels in kernels/<key>/: a tarball of another layout would be ignored, kernel by kernel
+if [ -f .carry/kcache.txz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ]; then
+  if [ -d .kcache/kernels ]; then echo "carried kernel cache: $(ls .kcache/kernels | wc -l) kernels"
+  else echo "WARNING: .carry/kcache.txz holds no .kcache/kernels/ (make it with tar cJf .carry/kcache.txz .kcache" \
+            "after building with SPARSECC_CACHE_DIR=.kcache): every kernel will be compiled"; fi 2>&1 | tee -a "$OUT/session.log"
+fi
 mkdir -p "$SPARSECC_CACHE_DIR" && chmod -R go-w "$SPARSECC_CACHE_DIR" && chmod 700 "$SPARSECC_CACHE_DIR"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvcc --version | tail -2;

@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
                       f"({speedup:.2f}x, {family.name}), plan: {choice}", flush=True)
                 del packed, compiled, model
                 torch.cuda.empty_cache()
-            write(result, stem=args.stem)       # what a run cut short keeps
+            result["summary"] = summary(result)
+            write(result, stem=args.stem)       # what a run cut short keeps, summed up so far
     result["summary"] = summary(result)
     path = write(result, stem=args.stem)
     plot(result, path.with_suffix(".png"))

@@ -32,9 +32,9 @@ else
   mkdir -p /tmp/cutlass && tar xzf .carry/cutlass.tgz -C /tmp/cutlass || exit 1
   export SPARSECC_CUTLASS_DIR=/tmp/cutlass/source/include
 fi
-[ -f .carry/kcache.txz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ] && tar xJf .carry/kcache.txz
 # a cache keeps its kernels in kernels/<key>/: a tarball of another layout would be ignored, kernel by kernel
 if [ -f .carry/kcache.txz ] && [ "$SPARSECC_CACHE_DIR" = "$PWD/.kcache" ]; then
+  tar xJf .carry/kcache.txz
   if [ -d .kcache/kernels ]; then echo "carried kernel cache: $(ls .kcache/kernels | wc -l) kernels"
   else echo "WARNING: .carry/kcache.txz holds no .kcache/kernels/ (make it with tar cJf .carry/kcache.txz .kcache" \
             "after building with SPARSECC_CACHE_DIR=.kcache): every kernel will be compiled"; fi 2>&1 | tee -a "$OUT/session.log"

@@ -82,7 +82,9 @@ def _call_group_op(gm: fx.GraphModule, nodes: list[fx.Node], group: SiblingGroup
         op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
         shared = gm.graph.call_function(op, (nodes[0].args[0], *tensors, *packed.scalars().values(), bias,
                                              group.activation.value, False, False, *getattr(packed, "extra_args", ())))
-        parts = gm.graph.call_function(torch.split, (shared, group.sizes, -1))
+        # an op that gives the members' outputs itself (one call's split, or each member's own weight)
+        parts = shared if getattr(packed, "returns_parts", False) else \
+            gm.graph.call_function(torch.split, (shared, group.sizes, -1))
         for index, (node, member) in enumerate(zip(nodes, group.members)):
             output = gm.graph.call_function(operator.getitem, (parts, index))
             if member.activation != group.activation:
@@ -107,22 +109,22 @@ def _reshape_not_view(output: fx.Node) -> None:
             user.target = torch.Tensor.reshape
 
 
-def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list[fx.Node | None]:
-    """Register ``tensors`` (field -> tensor or None) as buffers of the packed-weights submodule,
-    and read each with a ``get_attr`` node (None where the format leaves an optional array out:
-    the op takes None)."""
+def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list:
+    """Register ``tensors`` (field -> tensor, list of tensors, or None) as buffers of the
+    packed-weights submodule, and read each with a ``get_attr`` node (a list of them for a list;
+    None where the format leaves an optional array out: the op takes None)."""
     if not hasattr(gm, PACKED_MODULE):
         gm.add_module(PACKED_MODULE, nn.Module())
     holder = getattr(gm, PACKED_MODULE)
     prefix = re.sub(r"[^0-9A-Za-z_]", "_", name)
-    nodes = []
-    for field, tensor in tensors.items():
-        if tensor is None:
-            nodes.append(None)
-            continue
+
+    def read(field: str, tensor: torch.Tensor) -> fx.Node:
         holder.register_buffer(f"{prefix}__{field}", tensor)
-        nodes.append(gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}"))
-    return nodes
+        return gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}")
+
+    return [None if tensor is None else
+            [read(f"{field}_{i}", t) for i, t in enumerate(tensor)] if isinstance(tensor, (list, tuple)) else
+            read(field, tensor) for field, tensor in tensors.items()]
 
 
 def _drop_unused(gm: fx.GraphModule) -> None:

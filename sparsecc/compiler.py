@@ -25,9 +25,10 @@ from .ir.analysis import WeightStats, analyze
 from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
 from .ir.numerics import relative_error
-from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
+from .ir.plan import Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
+from .kernels.sparse24_by_rows import ByRowsWeight
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
@@ -380,13 +381,13 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
 
 
 def sibling_groups(sites, stats, plan: Plan, cost_model: CostModel) -> list[siblings.SiblingGroup]:
-    """The sites that one call computes together (sparsecc.ir.siblings), as planned: not those
-    that run large batches on their dense weight (a 2:4 site planned over a range, ``above``:
-    stacked, that weight would be a copy, not the model's own), nor a group whose stacked weight
-    would leave the kernels its members run on."""
+    """The sites that one call computes together (sparsecc.ir.siblings), as planned (the same
+    format, batch range and tier above the small-batch kernels), but not a group whose stacked
+    weight would leave the kernels its members run on. Members planned to run large batches on
+    their dense weight share the small-batch call and keep their own weights above it."""
     choices = {s.name: (FormatSpec.parse(plan[s.name].choice), tuple(plan[s.name].m_range or ()),
-                        plan[s.name].above) for s in sites if plan[s.name].above != ABOVE_DENSE}
-    return [group for group in siblings.find([s for s in sites if s.name in choices], choices, stats)
+                        plan[s.name].above) for s in sites}
+    return [group for group in siblings.find(sites, choices, stats)
             if cost_model.uses_kernel(group.stats, group.choice)
             or not any(cost_model.uses_kernel(stats[member.name], group.choice) for member in group.members)]
 
@@ -405,6 +406,8 @@ def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel)
     rows' share of the bytes."""
     scratch = replace(plan[group.members[0].name], reason="")
     group.packed = _pack_one(group.site(), group.choice, cost_model.uses_kernel(group.stats, group.choice), scratch)
+    if isinstance(group.packed, ByRowsWeight) and group.packed.large is None:     # the top runs dense
+        group.packed = group.packed.for_members([member.weight.detach() for member in group.members])
     for member in group.members:
         entry = plan[member.name]
         entry.reason += scratch.reason

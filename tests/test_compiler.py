@@ -252,7 +252,8 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     """Llama's gate and up projections read the same input: planned 2:4 both, they run as one call
     on their stacked weight (gate's SiLU after the split), and the plan says so; the compiled model
     matches the model at other shapes. Planned for a batch range whose large batches run on the
-    dense weights (a causal LM's prefill), each keeps its own call."""
+    dense weights (a causal LM's prefill), they still share the small-batch call; planned for
+    different tiers above it, each keeps its own."""
     torch.manual_seed(0)
     model = llama()
     sparsify_24(model)
@@ -277,6 +278,8 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     assert len(groups) == 2 and all(len(group.members) == 2 for group in groups)        # each layer's MLP
     for site in prepared.plan:
         site.above = "dense"
+    assert len(sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)) == 2
+    prepared.plan["layers.0.mlp.up_proj"].above = prepared.plan["layers.1.mlp.up_proj"].above = None
     assert sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model) == []
 
 

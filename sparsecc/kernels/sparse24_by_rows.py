@@ -9,6 +9,10 @@ for a model that generates) keeps two: the small-batch layout, and either the GE
 (9/8 of the dense bytes in all) or, where the planner timed 2:4 slower than dense at the top of
 the range, the dense weight itself. :func:`linear_by_rows` picks by the rows of x on each call;
 under torch.compile those rows are known when a graph is traced, so each graph calls one kernel.
+
+Sibling sites (sparsecc.ir.siblings: q, k and v; gate and up) planned so share the small tier, one
+call on their stacked weight (:class:`GroupByRowsWeight`); above it, where the top runs dense, each
+member runs its own dense weight, the model's: stacked, the dense weights would be a copy.
 """
 from __future__ import annotations
 
@@ -76,6 +80,72 @@ class ByRowsWeight(PackedWeight):
 
     def to_dense(self) -> Tensor:
         return self.small.to_dense()
+
+    def for_members(self, weights: list[Tensor]) -> "GroupByRowsWeight":
+        """This packing of a sibling group's stacked weight, its dense tier replaced by the members'
+        own ``weights`` (each ``[N_i, K]``, in the group's order; their rows add up to this one's)."""
+        if self.large is not None:
+            raise ValueError("only a packing whose top runs dense has the members' own weights there")
+        if sum(w.shape[0] for w in weights) != self.shape[0]:
+            raise ValueError(f"the members' weights have {sum(w.shape[0] for w in weights)} rows, "
+                             f"the stacked one {self.shape[0]}")
+        return GroupByRowsWeight(self.small, self.limit, list(weights), self.selection)
+
+
+def linear_split_by_rows(x: Tensor, values: Tensor, metadata: Optional[Tensor], dense: list[Tensor],
+                         out_features: int, in_features: int, limit: int, bias: Optional[Tensor], activation: str,
+                         x_transposed: bool, transpose_out: bool, kernels: str) -> tuple[Tensor, ...]:
+    """A sibling group of :class:`GroupByRowsWeight`, each member's output: up to ``limit`` rows of x
+    one small-batch call on the stacked weight (``values``, ``metadata``, ``kernels``), split (views);
+    more, each member's own weight in ``dense`` with its part of the stacked ``bias``."""
+    sizes = [w.shape[0] for w in dense]
+    rows = x.numel() // in_features if in_features else 0
+    if rows <= limit:
+        shared = linear_kernel(x, values, metadata, out_features, in_features, bias, activation, x_transposed,
+                               transpose_out, kernels)
+        return torch.split(shared, sizes, -1)
+    biases = bias.split(sizes) if bias is not None else [None] * len(dense)
+    return tuple(linear_torch(x, weight, part, activation, x_transposed, transpose_out)
+                 for weight, part in zip(dense, biases))
+
+
+@dataclass
+class GroupByRowsWeight(PackedWeight):
+    """A sibling group's 2:4 weights (see the module docstring): ``small``, the stacked weight's
+    small-batch packing, for up to ``limit`` rows; above, ``dense``, the members' own weights. Its
+    op returns the members' outputs, not the stacked one."""
+
+    small: KernelWeight
+    limit: int
+    dense: list[Tensor]
+    selection: str = ""
+
+    spec = NM_2_4
+    op = staticmethod(linear_split_by_rows)
+    #: the op gives each member's output itself (a split where it ran one call)
+    returns_parts = True
+
+    @property
+    def shape(self):  # type: ignore[override]
+        return self.small.shape
+
+    @property
+    def extra_args(self) -> tuple:
+        return (self.small.kernels,)
+
+    def tensors(self):
+        return {"values": self.small.values, "metadata": self.small.metadata, "dense": self.dense}
+
+    def scalars(self):
+        return {"out_features": self.small.out_features, "in_features": self.small.in_features,
+                "limit": self.limit}
+
+    @property
+    def nbytes(self) -> int:
+        return self.small.nbytes + sum(w.numel() * w.element_size() for w in self.dense)
+
+    def to_dense(self) -> Tensor:
+        return torch.cat(self.dense)
 
 
 def small_tier(dtype: torch.dtype | str, shape: tuple[int, int], lo: int, hi: int) -> tuple[KernelFamily, int] | None:

@@ -78,3 +78,29 @@ def test_planning_prices_the_siblings_together(gen):
     sparse = [site for site in compiled.sparsecc_plan if site.choice != "dense"]
     assert sum(ops.rows.values()) == calls(sparse)
     assert rel_error(y.double(), reference(model, x)) <= ERROR
+
+
+def test_a_group_planned_dense_above_the_small_batches_shares_their_call(gen):
+    """Planned for 1 to 512 rows with the dense weights above the small-batch kernels (as a causal
+    LM's prefill often is): the five share one small-batch call on their stacked weight, and past
+    its rows each runs its own weight, the model's; both against fp64."""
+    from sparsecc.kernels.sparse24_by_rows import linear_split_by_rows
+    model = block(gen)
+    x = torch.randn(512, 256, generator=gen).half().cuda()
+    plan = sparsecc.plan(model, x, formats=("2:4",), m_range=(1, 512))
+    for site in plan:
+        site.above = "dense" if site.choice == "2:4" else None
+    compiled = sparsecc.compile(model, x, plan=plan)
+    assert {site.group for site in compiled.sparsecc_plan if site.group} == {"q.weight+k.weight+v.weight+gate.weight+up.weight"}
+    [call] = [n for gm in compiled.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes
+              if n.target is linear_split_by_rows]
+    held = {b.data_ptr() for b in compiled.buffers()}
+    assert all(getattr(model, name).weight.data_ptr() in held for name in ("q", "k", "v", "gate", "up"))
+    limit = call.args[6]                        # (x, values, metadata, dense, N, K, limit, ...)
+    for rows in sorted({1, limit, limit + 1, 512}):
+        x = torch.randn(rows, 256, generator=gen).half().cuda()
+        with torch.no_grad(), SparseOps() as ops:
+            y = compiled(x)
+        assert rel_error(y.double(), reference(model, x)) <= ERROR, rows
+        if rows in (1, 512):                    # the five in one call, then out; or all on torch
+            assert sum(ops.rows.values()) == (2 if rows == 1 else 0), rows

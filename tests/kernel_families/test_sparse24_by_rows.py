@@ -90,3 +90,46 @@ def test_a_plan_keeps_above_through_json():
     site = SitePlan("w", "", [256, 512], "float16", 512, "none", 0.5, ["2:4"], {}, [], "2:4", "why", 1, 1,
                     m_range=[1, 512], above=ABOVE_DENSE)
     assert Plan.from_json(Plan([site], device="cuda").to_json()).sites[0].above == ABOVE_DENSE
+
+
+def _group(gen, sizes=(48, 16, 16)):
+    """Three members' weights and their group's packing: the stacked weight's small tier up to 4
+    rows, the members' own weights above."""
+    weights = [n_m(n, 64, 2, 4, gen) for n in sizes]
+    stacked = by_rows.ByRowsWeight(Sparse24GemvWeight.pack(torch.cat(weights)).running([]), 4, None, torch.cat(weights))
+    return weights, stacked.for_members(weights)
+
+
+def test_a_group_shares_the_small_call_and_runs_each_members_weight_above(monkeypatch, gen):
+    weights, packed = _group(gen)
+    calls = []
+
+    def kernel(x, values, metadata, n, k, bias, activation, x_transposed, transpose_out, kernels):
+        calls.append((x.numel() // k, values, n))
+        return torch.relu(x.double() @ packed.small.to_dense().double().t() + bias.double()).to(x.dtype)
+
+    monkeypatch.setattr(by_rows, "linear_kernel", kernel)
+    bias = torch.randn(80, generator=gen)
+    for rows in (1, 4, 5, 300):
+        x = torch.randn(rows, 64, generator=gen)
+        got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "relu", False, False,
+                        *packed.extra_args)
+        assert [tuple(y.shape) for y in got] == [(rows, 48), (rows, 16), (rows, 16)]
+        for y, w, b in zip(got, weights, bias.split([48, 16, 16])):
+            want = torch.relu(x.double() @ w.double().t() + b.double())
+            assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5), rows
+        if rows <= 4:
+            assert calls[-1] == (rows, packed.small.values, 80) and len(calls) == [1, 4].index(rows) + 1
+        else:
+            assert len(calls) == 2                        # the members' own weights: no kernel call
+    assert all(mine is theirs for mine, theirs in zip(packed.tensors()["dense"], weights))     # no stacked copy
+    assert packed.shape == (80, 64) and torch.equal(packed.to_dense(), torch.cat(weights))
+    assert packed.nbytes == packed.small.nbytes + sum(w.numel() * 4 for w in weights)
+
+
+def test_only_a_packing_whose_top_runs_dense_takes_the_members_weights(gen):
+    weights, packed = _group(gen)
+    with pytest.raises(ValueError, match="48 rows, the stacked one 80"):
+        by_rows.ByRowsWeight(packed.small, 4, None, torch.cat(weights)).for_members(weights[:1])
+    with pytest.raises(ValueError, match="top runs dense"):
+        by_rows.ByRowsWeight(packed.small, 4, packed.small, None).for_members(weights)

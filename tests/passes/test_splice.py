@@ -122,6 +122,43 @@ def test_siblings_share_one_call_split_into_their_outputs(gen):
     assert any(p is model.out.weight for p in held)
 
 
+def test_siblings_planned_dense_above_the_small_batches_keep_their_own_weights_there(monkeypatch, gen):
+    """A group whose members run their dense weights past the small-batch rows: one op call that
+    gives each member its output (no split node), the group's small-batch arrays and the members'
+    own weights as buffers (the model's tensors, not a stacked copy); above the limit the members'
+    weights compute the model, at or below it one shared kernel call does."""
+    import sparsecc.kernels.sparse24_by_rows as by_rows
+    from sparsecc.ir import siblings
+    from sparsecc.ir.analysis import analyze
+    from sparsecc.ir.formats import FormatSpec
+    from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
+    from ir.test_siblings import Attention
+
+    model, x = Attention(gen), torch.randn(2, 5, 32, generator=gen)
+    gm, sites = prepared(model, x)
+    choices = {s.name: (FormatSpec.parse("2:4"), (1, 10), "dense") for s in sites}
+    [group] = siblings.find(sites, choices, {s.name: analyze(s.weight) for s in sites})
+    stacked = group.weight()
+    group.packed = by_rows.ByRowsWeight(Sparse24GemvWeight.pack(stacked).running([]), 4, None, stacked).for_members(
+        [member.weight.detach() for member in group.members])
+    splice.run(gm, {**{member.name: group for member in group.members}, "out.weight": None})
+    calls = [target for op, target in ops(gm) if op == "call_function"]
+    assert calls.count("linear_split_by_rows") == 1 and "split" not in calls
+    held = {p.data_ptr() for p in gm.buffers()}
+    assert all(getattr(model, name).weight.data_ptr() in held for name in ("q", "k", "v", "gate", "up"))
+    assert_rel_close(gm(x), model(x), torch.float32)                    # 10 rows: the members' weights
+    kernel_calls = []
+
+    def kernel(x, values, metadata, n, k, bias, activation, x_transposed, transpose_out, kernels):
+        kernel_calls.append(values)
+        return torch.nn.functional.linear(x, stacked, bias)
+
+    monkeypatch.setattr(by_rows, "linear_kernel", kernel)
+    few = torch.randn(1, 3, 32, generator=gen)
+    assert_rel_close(gm(few), model(few), torch.float32)
+    assert len(kernel_calls) == 1 and kernel_calls[0] is group.packed.small.values
+
+
 def test_a_view_of_a_siblings_output_still_works(gen):
     """A member's output is a strided view of the shared one: ``.view`` of it becomes ``.reshape``
     (``y.view(-1)`` of a split column block could not be a view)."""

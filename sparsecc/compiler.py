@@ -25,7 +25,7 @@ from .ir.analysis import WeightStats, analyze
 from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
 from .ir.numerics import relative_error
-from .ir.plan import Candidate, Plan, SitePlan
+from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
 from .kernels.sparse24_by_rows import ByRowsWeight
@@ -358,7 +358,10 @@ def pack_sites(sites, stats, plan: Plan, cost_model: CostModel) -> dict[str, obj
     :class:`~sparsecc.ir.siblings.SiblingGroup`, or None for dense)."""
     decisions: dict[str, object] = {}
     for group in sibling_groups(sites, stats, plan, cost_model):
-        _pack_group(group, plan, cost_model)
+        if not _pack_group(group, plan, cost_model):
+            for member in group.members:
+                plan[member.name].group = None
+            continue
         for member in group.members:
             decisions[member.name] = group
     packed_by_weight = {}
@@ -401,17 +404,23 @@ def mark_groups(sites, stats, plan: Plan, cost_model: CostModel) -> None:
             plan[member.name].group = group.name
 
 
-def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel) -> None:
+def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel) -> bool:
     """Pack a group's stacked weight; each member's plan entry takes what packing decided and its
-    rows' share of the bytes."""
+    rows' share of the bytes. False (nothing recorded) where the members run their large batches
+    on their dense weights but the stacked weight packs for one kernel family at every batch (its
+    small-batch kernels would run the prefill, or its GEMMs the decode): each then runs alone."""
     scratch = replace(plan[group.members[0].name], reason="")
-    group.packed = _pack_one(group.site(), group.choice, cost_model.uses_kernel(group.stats, group.choice), scratch)
-    if isinstance(group.packed, ByRowsWeight) and group.packed.large is None:     # the top runs dense
-        group.packed = group.packed.for_members([member.weight.detach() for member in group.members])
+    packed = _pack_one(group.site(), group.choice, cost_model.uses_kernel(group.stats, group.choice), scratch)
+    if plan[group.members[0].name].above == ABOVE_DENSE:
+        if not (isinstance(packed, ByRowsWeight) and packed.large is None):
+            return False
+        packed = packed.for_members([member.weight.detach() for member in group.members])
+    group.packed = packed
     for member in group.members:
         entry = plan[member.name]
         entry.reason += scratch.reason
         entry.bytes_after = group.packed.nbytes * member.out_features // group.stats.shape[0]
+    return True
 
 
 def _pack_one(site: LinearSite, choice: FormatSpec, on_kernel: bool, entry: SitePlan):

@@ -283,6 +283,43 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     assert sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model) == []
 
 
+def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps_that_tier(monkeypatch):
+    """Gate and up planned to run their large batches on their dense weights share a call only
+    where the stacked weight packs that way too (a small-batch tier, then each member's own weight,
+    the model's); packed otherwise (here: torch's 2:4 layout on the CPU), each runs alone and the
+    plan names no group."""
+    import sparsecc.compiler as compiler
+    from sparsecc.ir.siblings import SiblingGroup
+    from sparsecc.kernels.sparse24_by_rows import ByRowsWeight, GroupByRowsWeight
+    from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
+    torch.manual_seed(0)
+    model = llama()
+    sparsify_24(model)
+    ids = torch.randint(0, 100, (2, 8))
+
+    def prepared():
+        ready = compiler._prepare(model, ids, ("2:4",), None, None, given_plan=None)
+        for site in ready.plan:
+            site.above, site.m_range = "dense", [1, 16]
+        compiler.mark_groups(ready.sites, ready.stats, ready.plan, ready.cost_model)
+        assert sum(site.group is not None for site in ready.plan) == 4          # gate and up, two layers
+        return ready
+
+    ready = prepared()
+    decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
+    assert not any(isinstance(d, SiblingGroup) for d in decisions.values())
+    assert all(site.group is None for site in ready.plan)
+    monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: ByRowsWeight(
+        Sparse24GemvWeight.pack(site.weight.detach()).running([]), 1, None, site.weight.detach()))
+    ready = prepared()
+    decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
+    groups = {id(d): d for d in decisions.values() if isinstance(d, SiblingGroup)}.values()
+    assert len(groups) == 2 and sum(site.group is not None for site in ready.plan) == 4
+    for group in groups:
+        assert isinstance(group.packed, GroupByRowsWeight)
+        assert [w.data_ptr() for w in group.packed.dense] == [m.weight.data_ptr() for m in group.members]
+
+
 def test_fused_epilogues_in_hugging_face_blocks():
     plan = sparsecc.plan(llama(), torch.randint(0, 100, (1, 4)), cost_model=CostModel("cpu", measure=False))
     assert plan["layers.0.mlp.gate_proj"].epilogue == "silu"

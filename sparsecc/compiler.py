@@ -28,7 +28,7 @@ from .ir.numerics import relative_error
 from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
-from .kernels.sparse24_by_rows import ByRowsWeight
+from .kernels.sparse24_by_rows import ByRowsWeight, small_tier
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
@@ -387,12 +387,22 @@ def sibling_groups(sites, stats, plan: Plan, cost_model: CostModel) -> list[sibl
     """The sites that one call computes together (sparsecc.ir.siblings), as planned (the same
     format, batch range and tier above the small-batch kernels), but not a group whose stacked
     weight would leave the kernels its members run on. Members planned to run large batches on
-    their dense weight share the small-batch call and keep their own weights above it."""
+    their dense weight share the small-batch call and keep their own weights above it, where the
+    stacked weight has such a tier too."""
     choices = {s.name: (FormatSpec.parse(plan[s.name].choice), tuple(plan[s.name].m_range or ()),
                         plan[s.name].above) for s in sites}
     return [group for group in siblings.find(sites, choices, stats)
-            if cost_model.uses_kernel(group.stats, group.choice)
-            or not any(cost_model.uses_kernel(stats[member.name], group.choice) for member in group.members)]
+            if (cost_model.uses_kernel(group.stats, group.choice)
+                or not any(cost_model.uses_kernel(stats[member.name], group.choice) for member in group.members))
+            and (plan[group.members[0].name].above != ABOVE_DENSE or _has_small_tier(group, plan, cost_model))]
+
+
+def _has_small_tier(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel) -> bool:
+    """Whether a group's stacked weight packs, as its members do, for the small-batch kernels up to
+    some rows of its range and not above (as the tuning tables stand: packing checks again)."""
+    m_range = plan[group.members[0].name].m_range
+    return bool(m_range) and cost_model.uses_kernel(group.stats, group.choice) and \
+        small_tier(group.stats.dtype, group.stats.shape, *m_range) is not None
 
 
 def mark_groups(sites, stats, plan: Plan, cost_model: CostModel) -> None:

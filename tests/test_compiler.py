@@ -11,7 +11,7 @@ import sparsecc
 from sparsecc import CostModel
 from sparsecc.ir.analysis import analyze
 from sparsecc.errors import InputError, PlanError, SparseccError
-from sparsecc.ir.formats import FormatSpec
+from sparsecc.ir.formats import FormatSpec, pack
 
 from conftest import TOLERANCE, assert_rel_close, block_sparse, n_m, rel_error, unstructured
 from models import bert, gpt2, llama, mlp, sparsify_24
@@ -252,8 +252,8 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     """Llama's gate and up projections read the same input: planned 2:4 both, they run as one call
     on their stacked weight (gate's SiLU after the split), and the plan says so; the compiled model
     matches the model at other shapes. Planned for a batch range whose large batches run on the
-    dense weights (a causal LM's prefill), they still share the small-batch call; planned for
-    different tiers above it, each keeps its own."""
+    dense weights (a causal LM's prefill), each keeps its own call on the CPU, where no small-batch
+    kernel could serve their stacked weight."""
     torch.manual_seed(0)
     model = llama()
     sparsify_24(model)
@@ -278,40 +278,44 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     assert len(groups) == 2 and all(len(group.members) == 2 for group in groups)        # each layer's MLP
     for site in prepared.plan:
         site.above = "dense"
-    assert len(sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)) == 2
-    prepared.plan["layers.0.mlp.up_proj"].above = prepared.plan["layers.1.mlp.up_proj"].above = None
     assert sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model) == []
 
 
 def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps_that_tier(monkeypatch):
-    """Gate and up planned to run their large batches on their dense weights share a call only
-    where the stacked weight packs that way too (a small-batch tier, then each member's own weight,
-    the model's); packed otherwise (here: torch's 2:4 layout on the CPU), each runs alone and the
-    plan names no group."""
+    """Gate and up planned to run their large batches on their dense weights (on a GPU, as kernels
+    would pack them) share a call only where the stacked weight has a small-batch tier too: then
+    one small-batch call, and above it each member's own weight, the model's. Where the tables
+    give the stacked weight none, or its packing turns out otherwise, each runs alone and the plan
+    names no group."""
     import sparsecc.compiler as compiler
     from sparsecc.ir.siblings import SiblingGroup
     from sparsecc.kernels.sparse24_by_rows import ByRowsWeight, GroupByRowsWeight
-    from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
+    from sparsecc.kernels.sparse24_small import MMA, Sparse24GemvWeight
     torch.manual_seed(0)
     model = llama()
     sparsify_24(model)
     ids = torch.randint(0, 100, (2, 8))
 
-    def prepared():
+    def prepared(tier):
+        monkeypatch.setattr(compiler, "small_tier", lambda dtype, shape, lo, hi: tier)
         ready = compiler._prepare(model, ids, ("2:4",), None, None, given_plan=None)
+        ready.cost_model.uses_kernel = lambda stats, spec: spec.kind == "nm"      # as on a GPU
         for site in ready.plan:
             site.above, site.m_range = "dense", [1, 16]
         compiler.mark_groups(ready.sites, ready.stats, ready.plan, ready.cost_model)
-        assert sum(site.group is not None for site in ready.plan) == 4          # gate and up, two layers
         return ready
 
-    ready = prepared()
+    ready = prepared(None)
+    assert all(site.group is None for site in ready.plan)
+    ready = prepared((MMA, 8))
+    assert sum(site.group is not None for site in ready.plan) == 4          # gate and up, two layers
+    monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: pack(site.weight, choice))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
     assert not any(isinstance(d, SiblingGroup) for d in decisions.values())
     assert all(site.group is None for site in ready.plan)
     monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: ByRowsWeight(
-        Sparse24GemvWeight.pack(site.weight.detach()).running([]), 1, None, site.weight.detach()))
-    ready = prepared()
+        Sparse24GemvWeight.pack(site.weight.detach()).running([]), 8, None, site.weight.detach()))
+    ready = prepared((MMA, 8))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
     groups = {id(d): d for d in decisions.values() if isinstance(d, SiblingGroup)}.values()
     assert len(groups) == 2 and sum(site.group is not None for site in ready.plan) == 4

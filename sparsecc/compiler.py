@@ -28,7 +28,6 @@ from .ir.numerics import relative_error
 from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
 from .ir.site import LinearSite
 from .kernels import registry, tune
-from .kernels.sparse24_by_rows import ByRowsWeight, small_tier
 from .passes import conv_as_linear, find_linear, fuse_epilogue, splice
 from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
@@ -402,7 +401,8 @@ def _has_small_tier(group: siblings.SiblingGroup, plan: Plan, cost_model: CostMo
     some rows of its range and not above (as the tuning tables stand: packing checks again)."""
     m_range = plan[group.members[0].name].m_range
     return bool(m_range) and cost_model.uses_kernel(group.stats, group.choice) and \
-        small_tier(group.stats.dtype, group.stats.shape, *m_range) is not None
+        registry.small_batch_tier(group.choice, getattr(torch, group.stats.dtype), group.stats.shape,
+                                  *m_range) is not None
 
 
 def mark_groups(sites, stats, plan: Plan, cost_model: CostModel) -> None:
@@ -422,9 +422,9 @@ def _pack_group(group: siblings.SiblingGroup, plan: Plan, cost_model: CostModel)
     scratch = replace(plan[group.members[0].name], reason="")
     packed = _pack_one(group.site(), group.choice, cost_model.uses_kernel(group.stats, group.choice), scratch)
     if plan[group.members[0].name].above == ABOVE_DENSE:
-        if not (isinstance(packed, ByRowsWeight) and packed.large is None):
+        packed = registry.members_dense_above(packed, [member.weight.detach() for member in group.members])
+        if packed is None:
             return False
-        packed = packed.for_members([member.weight.detach() for member in group.members])
     group.packed = packed
     for member in group.members:
         entry = plan[member.name]

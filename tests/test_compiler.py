@@ -297,7 +297,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
     ids = torch.randint(0, 100, (2, 8))
 
     def prepared(tier):
-        monkeypatch.setattr(compiler, "small_tier", lambda dtype, shape, lo, hi: tier)
+        monkeypatch.setattr(compiler.registry, "small_batch_tier", lambda spec, dtype, shape, lo, hi: tier)
         ready = compiler._prepare(model, ids, ("2:4",), None, None, given_plan=None)
         ready.cost_model.uses_kernel = lambda stats, spec: spec.kind == "nm"      # as on a GPU
         for site in ready.plan:
@@ -307,7 +307,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
 
     ready = prepared(None)
     assert all(site.group is None for site in ready.plan)
-    ready = prepared((MMA, 8))
+    ready = prepared((MMA.unit, 8))
     assert sum(site.group is not None for site in ready.plan) == 4          # gate and up, two layers
     monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: pack(site.weight, choice))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
@@ -315,7 +315,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
     assert all(site.group is None for site in ready.plan)
     monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: ByRowsWeight(
         Sparse24GemvWeight.pack(site.weight.detach()).running([]), 8, None, site.weight.detach()))
-    ready = prepared((MMA, 8))
+    ready = prepared((MMA.unit, 8))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
     groups = {id(d): d for d in decisions.values() if isinstance(d, SiblingGroup)}.values()
     assert len(groups) == 2 and sum(site.group is not None for site in ready.plan) == 4

@@ -149,6 +149,15 @@ def small_batch_tier(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int
     return None if tier is None else (tier[0].unit, tier[1])
 
 
+def members_dense_above(packed: PackedWeight, weights: list[torch.Tensor]) -> PackedWeight | None:
+    """A sibling group's packing whose large batches run its stacked dense weight, with each
+    member's own weight there instead (``weights``, in the group's order: the model's tensors, not
+    a stacked copy); None where ``packed`` runs no dense weight above a small-batch tier."""
+    if isinstance(packed, sparse24_by_rows.ByRowsWeight) and packed.large is None:
+        return packed.for_members(weights)
+    return None
+
+
 def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: tuple[int, int] | None = None,
          progress: bool = False, above: str | None = None, input_dtype: torch.dtype | None = None) -> PackedWeight:
     """``weight`` packed for the kernels that run ``spec`` at ``m`` rows (None: not known), its

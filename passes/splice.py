@@ -122,9 +122,13 @@ def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list:
         holder.register_buffer(f"{prefix}__{field}", tensor)
         return gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}")
 
-    return [None if tensor is None else
-            [read(f"{field}_{i}", t) for i, t in enumerate(tensor)] if isinstance(tensor, (list, tuple)) else
-            read(field, tensor) for field, tensor in tensors.items()]
+    nodes: list = []
+    for field, tensor in tensors.items():
+        if isinstance(tensor, (list, tuple)):
+            nodes.append([read(f"{field}_{i}", t) for i, t in enumerate(tensor)])
+        else:
+            nodes.append(None if tensor is None else read(field, tensor))
+    return nodes
 
 
 def _drop_unused(gm: fx.GraphModule) -> None:

@@ -63,8 +63,8 @@ class SparseGraph:
     cost_model: CostModel | None
     check_graph: bool = False
     plan: Plan | None = None
-    #: (rewritten, dense) microseconds per call from the last check; None where none ran
-    raced: tuple[float, float] | None = None
+    #: the last check's timings (rewritten first, dense second); None where none ran
+    raced: check.Raced | None = None
     rebuilds: int = 0
     _fn: object = None
     #: the dense graph compiled to race this one on its first call (None: no race pending)
@@ -131,17 +131,18 @@ class SparseGraph:
         (the cause inside the compile is not known): the race kept the slower graph."""
         dense, self._rival = self._rival, None
         try:
-            sparse_us, dense_us = self.raced = check.race(
-                lambda: self._fn(*args), lambda: dense(*args),
-                cuda=any(isinstance(v, torch.Tensor) and v.is_cuda for v in args))
+            raced = check.race(lambda: self._fn(*args), lambda: dense(*args),
+                               cuda=any(isinstance(v, torch.Tensor) and v.is_cuda for v in args))
         except Exception as error:  # noqa: BLE001 - the check only refines the choice
             _not_raced(error)
             return
-        self.plan.checked = [round(sparse_us, 1), round(dense_us, 1)]
-        if not check.faster(sparse_us, dense_us):
-            log.info("the graph with sparse layers ran %.0f us, the dense one %.0f us: dense kept", sparse_us, dense_us)
+        self.raced = raced
+        self.plan.checked = [round(raced.first_us, 1), round(raced.second_us, 1)]
+        if not check.faster(raced):
+            log.info("the graph with sparse layers ran %.0f us, the dense one %.0f us: dense kept",
+                     raced.first_us, raced.second_us)
             self._fn, self._watched, self._watched_as = dense, [], []
-            self.plan = check.all_dense(self.plan, sparse_us, dense_us)
+            self.plan = check.all_dense(self.plan, raced)
 
 
 def _not_raced(error: Exception) -> None:

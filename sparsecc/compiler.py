@@ -167,15 +167,16 @@ def _dense_unless_faster(compiled: nn.Module, prepared: _Prepared) -> nn.Module:
             log.info("sparsecc: the model cannot be captured in a CUDA graph: its plan is not checked as a whole")
             return compiled
         runners = [graph.replay for graph in graphs]
-    sparse_us, dense_us = check.race(*runners, cuda=cuda)
-    prepared.plan.checked = [round(sparse_us, 1), round(dense_us, 1)]
-    if check.faster(sparse_us, dense_us):
-        log.info("sparsecc: the compiled model ran %.0f us per call, the dense one %.0f us: kept", sparse_us, dense_us)
+    raced = check.race(*runners, cuda=cuda)
+    prepared.plan.checked = [round(raced.first_us, 1), round(raced.second_us, 1)]
+    if check.faster(raced):
+        log.info("sparsecc: the compiled model ran %.0f us per call, the dense one %.0f us: kept",
+                 raced.first_us, raced.second_us)
         return compiled
     log.info("sparsecc: the compiled model ran %.0f us per call, the dense one %.0f us: its layers stay dense",
-             sparse_us, dense_us)
+             raced.first_us, raced.second_us)
     dense = tracing.assemble(model, {})
-    dense.sparsecc_plan = check.all_dense(prepared.plan, sparse_us, dense_us, what="model")
+    dense.sparsecc_plan = check.all_dense(prepared.plan, raced, what="model")
     return dense
 
 

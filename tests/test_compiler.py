@@ -446,7 +446,7 @@ def test_the_whole_model_check_keeps_the_compiled_model_only_if_faster(monkeypat
 
     def race(first, second, *, cuda):
         raced.append((first(), second(), cuda))
-        return (50.0, 100.0) if sparse_faster else (100.0, 101.0)
+        return check.Raced(50.0, 100.0) if sparse_faster else check.Raced(100.0, 101.0)
 
     monkeypatch.setattr(check, "race", race)
     model, x = _two_four_mlp(gen), torch.randn(4, 64, generator=gen)

@@ -9,7 +9,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from sparsecc.ir.plan import Plan, SitePlan
-from sparsecc.planner.check import MARGIN, all_dense, can_run_again, faster, race, writes_in_place
+from sparsecc.planner.check import (HOST_BOUND_MARGIN, MARGIN, Raced, all_dense, can_run_again, faster, race,
+                                    writes_in_place)
 
 
 def test_in_place_writes_are_told_from_operators_named_with_an_underscore():
@@ -29,7 +30,7 @@ def test_racing_two_graphs_times_both():
     slow, fast = nn.Linear(1024, 1024), nn.Linear(8, 8)     # ~0.5 GFLOP a call against ~1 kFLOP
     x = torch.randn(64, 8)
     times = race(lambda: slow(x.repeat(8, 128)), lambda: fast(x), cuda=False)
-    assert all(t > 0 for t in times) and times[0] > times[1]
+    assert times.first_us > times.second_us > 0 and not times.second_host_bound
 
 
 @pytest.mark.parametrize("collecting", [True, False])
@@ -58,8 +59,16 @@ def test_graphs_run_again_only_on_real_inputs_and_without_in_place_writes():
     assert not can_run_again([pure, fx.symbolic_trace(Counting())], [x])
 
 
-def test_faster_means_ahead_by_the_margin():
-    assert faster(MARGIN * 100.0, 100.0) and not faster(MARGIN * 100.0 + 0.1, 100.0)
+def test_faster_means_ahead_by_the_margin_and_by_more_against_a_host_bound_program():
+    assert faster(Raced(MARGIN * 100.0, 100.0)) and not faster(Raced(MARGIN * 100.0 + 0.1, 100.0))
+    assert not faster(Raced(MARGIN * 100.0, 100.0, second_host_bound=True))
+    assert faster(Raced(HOST_BOUND_MARGIN * 100.0, 100.0, True))
+    assert not faster(Raced(HOST_BOUND_MARGIN * 100.0 + 0.1, 100.0, True))
+
+
+def test_on_the_cpu_no_program_is_called_bound_by_the_host():
+    busy = lambda: sum(range(2000))  # noqa: E731
+    assert race(busy, busy, cuda=False).second_host_bound is False
 
 
 def test_a_lost_race_makes_every_site_dense_and_says_why():
@@ -68,10 +77,12 @@ def test_a_lost_race_makes_every_site_dense_and_says_why():
                     bytes_before=128, bytes_after=72, above="dense")
     dense = SitePlan(**{**site.__dict__, "name": "b", "choice": "dense", "reason": "dense was timed fastest",
                         "bytes_after": 128, "above": None})
-    plan = all_dense(Plan([site, dense], device="cuda"), 120.0, 100.0, what="model")
+    plan = all_dense(Plan([site, dense], device="cuda"), Raced(120.0, 100.0), what="model")
     assert [s.choice for s in plan.sites] == ["dense", "dense"] and plan.sites[0].bytes_after == 128
     assert plan.sites[0].above is None
     assert plan.sites[0].reason.startswith("dense: this model with its sparse layers ran 120 us per call on the "
                                            "example inputs, the dense one 100 us")
     assert plan.sites[0].reason.endswith("the layer alone: 2:4 was timed fastest")
     assert plan.sites[1].reason == "dense was timed fastest"
+    host_bound = all_dense(Plan([site], device="cuda"), Raced(97.0, 100.0, True))
+    assert "the dense one 100 us, bound by the host (a rewritten graph must be 5% faster)" in host_bound.sites[0].reason

@@ -5,8 +5,10 @@ and layouts of the code between them, the caches the neighbouring ops leave warm
 host's pace when ops run one by one) is not in those timings, so a plan whose every site was
 timed faster can still make the model slower. ``torch.compile(model, backend="sparsecc")`` and
 ``sparsecc.compile`` therefore run both programs on the example inputs (the backend: on a graph's
-first call's, after Dynamo's compile), where that is safe (:func:`can_run_again`), and keep the rewritten one only if it is faster by :data:`MARGIN`;
-otherwise every site runs dense and its reason in the plan says why (:func:`all_dense`).
+first call's, after Dynamo's compile), where that is safe (:func:`can_run_again`), and keep the
+rewritten one only if it is faster by :data:`MARGIN` (:data:`HOST_BOUND_MARGIN` where the host
+sets the dense one's pace); otherwise every site runs dense and its reason in the plan says why
+(:func:`all_dense`).
 """
 from __future__ import annotations
 

@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
                 result["rows"].append(row)
                 print(f"{case:20s} {impl:24s} {row['us_eager']:10.1f} us  rel_err {row['rel_err']:.2e}  "
                       f"sparse sites {row['sparse_sites']}/{row['sites']} ({row['shared_calls']} shared calls)  "
-                      f"compile {row['compile_s']} s", flush=True)
+                      f"compile {row['compile_s']} s  raced {row['graphs_raced']}", flush=True)
             path = write(result)                     # after every model: a time limit loses nothing done
             plot(result, path.with_suffix(".png"))
         model = impls = compiled = None     # free the GPU memory before the next model

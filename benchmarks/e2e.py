@@ -25,9 +25,9 @@ drift of the host's speed during the run reaches them all alike. Rows carry ``mo
 (the first call), ``sparse_sites`` (sites that run a sparse format, of ``sites``), ``shared_calls``
 (groups of sites that one call computes, sparsecc.ir.siblings) and
 ``graphs_raced``: per graph the backend raced (for sparsecc-graphs: the model ``sparsecc.compile``
-raced), the microseconds per call with the sparse layers and dense on the example inputs, and
-whether the host set the dense one's pace (the sparse one was kept if faster by 2%, or by 5%
-where the host set the pace).
+raced), the microseconds per call with the sparse layers and dense on the example inputs and, for
+the backend's graphs, whether the host set the dense one's pace (the sparse one was kept if faster
+by 2%, or by 5% where the host set the pace).
 ``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
 (``torch.compile(model, backend="sparsecc", mode="reduce-overhead")``) and sparsecc-graphs

@@ -109,23 +109,24 @@ def race(first: Callable[[], object], second: Callable[[], object], *, cuda: boo
 def _race(first: Callable[[], object], second: Callable[[], object], cuda: bool) -> Raced:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: list[list[float]] = [[], []]
-    issued: list[float] = []                 # the share of second's time spent issuing its calls
+    issuing: list[list[float]] = [[], []]   # the share of each round's time spent issuing its calls
     with torch.no_grad():
         for fn in (first, second):
             for _ in range(3):               # warm-up; torch.compile's CUDA graphs record on the first calls
                 fn()
         for _ in range(ROUNDS):
-            for fn, found in zip((first, second), times):
+            for fn, found, shares in zip((first, second), times, issuing):
                 sync()
                 start = time.perf_counter()
                 for _ in range(CALLS):
                     fn()
-                issue = time.perf_counter() - start
+                issued = time.perf_counter() - start
                 sync()
-                found.append((time.perf_counter() - start) * 1e6 / CALLS)
-            issued.append(issue * 1e6 / CALLS / times[1][-1])
+                elapsed = time.perf_counter() - start
+                found.append(elapsed * 1e6 / CALLS)
+                shares.append(issued / elapsed)
     return Raced(statistics.median(times[0]), statistics.median(times[1]),
-                 cuda and statistics.median(issued) >= HOST_BOUND)
+                 cuda and statistics.median(issuing[1]) >= HOST_BOUND)
 
 
 def captured(*fns: Callable[[], object]) -> list[torch.cuda.CUDAGraph] | None:

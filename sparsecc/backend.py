@@ -3,7 +3,8 @@
 Dynamo hands over each captured graph with the model's parameters as graph inputs (the
 default ``inline_inbuilt_nn_modules``). The backend recognises them by their type, plans
 and rewrites the sparse sites exactly as ``sparsecc.compile`` does, and hands the rewritten
-graph to Inductor (or runs it as is, ``inductor=False``). A graph break or an op sparsecc does
+graph to Inductor (or runs it as is, ``inductor=False``); a graph whose sites all stay dense goes
+to Inductor as Dynamo captured it. A graph break or an op sparsecc does
 not know only means fewer sites: everything else runs as Inductor would run it. A tensor-parallel
 layer (a DTensor weight: Dynamo sees the layer whole, its values spread over ranks) is not a site
 here and runs as Inductor runs it; ``sparsecc.compile`` runs such layers on their local shards, and
@@ -101,10 +102,13 @@ class SparseGraph:
         self._watched = list(dict.fromkeys(index_of[s.weight_name] for s in sites
                                            if decisions.get(s.name) is not None and s.weight_name in index_of))
         self._watched_as = _states(inputs, self._watched)
+        packed = any(d is not None for d in decisions.values())
         if self.inductor:
             from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
-            self._fn = compile_fx(gm, list(inputs), config_patches=dict(self.config_patches))
-            packed = any(d is not None for d in decisions.values())
+            # with no site packed, the graph Dynamo captured, as it came: Inductor's own, not a rewrite
+            # computing the same (its fused epilogues, a Conv1D as a linear) that it may schedule otherwise
+            self._fn = compile_fx(gm if packed else _dense_copy(self.original), list(inputs),
+                                  config_patches=dict(self.config_patches))
             if self.check_graph and packed and check.can_run_again([self.original], inputs):
                 try:
                     self._rival = compile_fx(_dense_copy(self.original), list(inputs),

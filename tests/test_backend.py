@@ -202,6 +202,30 @@ def test_inductor_keeps_parameters_and_packed_weights_as_constant_inputs(monkeyp
     assert len(static) == inputs - 1
 
 
+@pytest.mark.parametrize("formats, rewritten", [(("dense",), False), (("2:4",), True)])
+def test_a_graph_with_no_sparse_site_goes_to_inductor_as_dynamo_captured_it(monkeypatch, formats, rewritten):
+    """Where every site stays dense, Inductor compiles the graph Dynamo captured, unchanged (the
+    epilogue fusion leaves a ReLU-ed linear's nodes otherwise): it runs as Inductor alone runs it."""
+    import torch._inductor.compile_fx as compile_fx
+    given = []
+    original = compile_fx.compile_fx
+
+    def spy(gm, inputs, *args, **kwargs):
+        given.append([(n.op, str(n.target)) for n in gm.graph.nodes])
+        return original(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", spy)
+    model = _pruned_mlp()
+    compiled = torch.compile(model, backend=make_backend(formats=formats, check_graph=False))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32)
+    captured = [(n.op, str(n.target)) for n in COMPILED[-1].original.graph.nodes]
+    assert (given[-1] != captured) == rewritten
+    assert COMPILED[-1].plan.choices() == {name: ("dense" if not rewritten else "2:4")
+                                           for name in COMPILED[-1].plan.choices()}
+
+
 def _checked(model):
     """``model`` under the backend with 2:4 forced and the whole-graph check on."""
     return torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))

@@ -3,12 +3,12 @@
 Dynamo hands over each captured graph with the model's parameters as graph inputs (the
 default ``inline_inbuilt_nn_modules``). The backend recognises them by their type, plans
 and rewrites the sparse sites exactly as ``sparsecc.compile`` does, and hands the rewritten
-graph to Inductor (or runs it as is, ``inductor=False``); a graph whose sites all stay dense goes
-to Inductor as Dynamo captured it. A graph break or an op sparsecc does
-not know only means fewer sites: everything else runs as Inductor would run it. A tensor-parallel
-layer (a DTensor weight: Dynamo sees the layer whole, its values spread over ranks) is not a site
-here and runs as Inductor runs it; ``sparsecc.compile`` runs such layers on their local shards, and
-its result can be handed to ``torch.compile`` in turn.
+graph to Inductor (or runs it as is, ``inductor=False``); a graph whose sites all stay dense (and
+that has no patch convolution to run as a linear) goes to Inductor as Dynamo captured it. A graph
+break or an op sparsecc does not know only means fewer sites: everything else runs as Inductor
+would run it. A tensor-parallel layer (a DTensor weight: Dynamo sees the layer whole, its values
+spread over ranks) is not a site here and runs as Inductor runs it; ``sparsecc.compile`` runs such
+layers on their local shards, and its result can be handed to ``torch.compile`` in turn.
 
 Each site is chosen by timing it alone; what Inductor does around the layers (its fusions,
 its layouts, the host's pace op by op) is not in those timings. So where the graph can be run
@@ -87,7 +87,7 @@ class SparseGraph:
         constants = {node.target: (node.target, value) for node, value in zip(placeholders, inputs)
                      if isinstance(value, nn.Parameter)}
         index_of = {node.target: i for i, node in enumerate(placeholders)}
-        conv_as_linear.run(gm, placeholders=constants)
+        converted = conv_as_linear.run(gm, placeholders=constants).changed
         _propagate(gm, inputs)
         sites = _local_sites(find_linear.run(gm, placeholders=constants).sites)
         fuse_epilogue.run(gm, placeholders=constants)
@@ -105,9 +105,11 @@ class SparseGraph:
         packed = any(d is not None for d in decisions.values())
         if self.inductor:
             from torch._inductor.compile_fx import compile_fx   # Inductor loads only when a graph uses it
-            # with no site packed, the graph Dynamo captured, as it came: Inductor's own, not a rewrite
-            # computing the same (its fused epilogues, a Conv1D as a linear) that it may schedule otherwise
-            self._fn = compile_fx(gm if packed else _dense_copy(self.original), list(inputs),
+            # with no site packed and no convolution run as a linear (a faster form), the graph Dynamo
+            # captured, as it came: Inductor's own, not a rewrite computing the same (fused epilogues,
+            # a Conv1D as a linear) that it may schedule otherwise
+            rewritten = packed or converted
+            self._fn = compile_fx(gm if rewritten else _dense_copy(self.original), list(inputs),
                                   config_patches=dict(self.config_patches))
             if self.check_graph and packed and check.can_run_again([self.original], inputs):
                 try:

@@ -209,8 +209,8 @@ def _patch_embedding():
 
 
 @pytest.mark.parametrize("build, formats, x_shape, rewritten",
-                         [(lambda: _pruned_mlp(), ("dense",), (4, 64), False),
-                          (lambda: _pruned_mlp(), ("2:4",), (4, 64), True),
+                         [(_pruned_mlp, ("dense",), (4, 64), False),
+                          (_pruned_mlp, ("2:4",), (4, 64), True),
                           (_patch_embedding, ("dense",), (2, 3, 16, 16), True)],
                          ids=["all-dense", "2:4", "patch-conv"])
 def test_a_graph_with_no_sparse_site_goes_to_inductor_as_dynamo_captured_it(monkeypatch, build, formats,

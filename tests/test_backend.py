@@ -202,6 +202,18 @@ def test_inductor_keeps_parameters_and_packed_weights_as_constant_inputs(monkeyp
     assert len(static) == inputs - 1
 
 
+def _checked(model):
+    """``model`` under the backend with 2:4 forced and the whole-graph check on."""
+    return torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
+
+
+def _pruned_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    sparsecc.prune(model, "2:4")
+    return model
+
+
 def _patch_embedding():
     """A ViT-style patch embedding (a convolution sparsecc runs as a linear) and a linear."""
     torch.manual_seed(0)
@@ -237,18 +249,6 @@ def test_a_graph_with_no_sparse_site_goes_to_inductor_as_dynamo_captured_it(monk
     assert (given[-1] != captured) == rewritten
     sparse = formats != ("dense",)
     assert set(COMPILED[-1].plan.choices().values()) == {"2:4" if sparse else "dense"}
-
-
-def _checked(model):
-    """``model`` under the backend with 2:4 forced and the whole-graph check on."""
-    return torch.compile(model, backend=make_backend(formats=("2:4",), check_graph=True))
-
-
-def _pruned_mlp():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
-    sparsecc.prune(model, "2:4")
-    return model
 
 
 @pytest.mark.parametrize("timed, sparse_faster", [(check.Raced(50.0, 100.0), True), (check.Raced(100.0, 101.0), False),

@@ -57,6 +57,10 @@ FEW_ROWS = [
     (dict(tile=(128, 64, 128), scheduler=Scheduler.SLICED), {}),
     (dict(tile=(256, 32, 128), scheduler=Scheduler.SLICED), {}),
     (dict(tile=(256, 64, 128), scheduler=Scheduler.SLICED), {}),
+    (dict(tile=(128, 32, 128), scheduler=Scheduler.STREAMK), {}),
+    (dict(tile=(64, 32, 128), schedule=Schedule.PINGPONG), {}),
+    (dict(tile=(64, 32, 128), schedule=Schedule.PINGPONG, scheduler=Scheduler.SLICED), {}),
+    (dict(tile=(64, 64, 128), schedule=Schedule.PINGPONG, scheduler=Scheduler.SLICED), {}),
 ]
 FEW_ROWS_MAX_M = 128
 

@@ -45,7 +45,8 @@ where they are), so only sparsecc's graphs are compiled per pattern.
 With ``--profile`` each row also has ``decode_kernels``: what one decode step runs on the GPU, from
 torch.profiler (greedy_loop over the same static cache, ``PROFILED_STEPS`` steps, or fewer where
 ``--new-tokens`` is smaller, less the prompt's forward alone): kernel microseconds and launches per step, and the kernels taking the most time
-(on the CPU, the ops' own time instead of kernels).
+(on the CPU, the ops' own time instead of kernels); ``prompt_us``, ``prompt_launches`` and
+``prompt_top`` say the same of the prompt's forward with its first token.
 
 With ``--quantize fp8`` both sides are the pruned model quantized (``sparsecc.quantize``, the same
 layers left out) and compiled by sparsecc: ``dense`` with ``formats=("dense",)`` (its FP8 sites on
@@ -197,10 +198,17 @@ def decode_kernels(model, prompts, cache, steps: int = PROFILED_STEPS) -> dict:
     step = {name: ((us - prefill.get(name, [0.0, 0])[0]) / steps,
                    (calls - prefill.get(name, [0.0, 0])[1]) / steps) for name, (us, calls) in run.items()}
     step = {name: value for name, value in step.items() if value[1] > 0}
-    top = sorted(step.items(), key=lambda item: -item[1][0])[:PROFILED_TOP]
+
+    def longest(kernels: dict) -> list:
+        top = sorted(kernels.items(), key=lambda item: -item[1][0])[:PROFILED_TOP]
+        return [[name[:120], round(us, 2), round(calls, 2)] for name, (us, calls) in top]
+
     return {"us_per_step": round(sum(us for us, _ in step.values()), 1),
             "launches_per_step": round(sum(calls for _, calls in step.values()), 1),
-            "top": [[name[:120], round(us, 2), round(calls, 2)] for name, (us, calls) in top]}
+            "top": longest(step),
+            "prompt_us": round(sum(us for us, _ in prefill.values()), 1),
+            "prompt_launches": sum(calls for _, calls in prefill.values()),
+            "prompt_top": longest(prefill)}
 
 
 def set_recompile_limit(limit: int = 64) -> None:
@@ -314,6 +322,9 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                   f"{kernels['launches_per_step']:.0f} launches; longest: "
                   + "; ".join(f"{name[:60]} {us:.1f} us x{calls:g}" for name, us, calls in kernels["top"][:4]),
                   flush=True)
+            print(f"  {impl} prompt: {kernels['prompt_us']:.0f} us of kernels, {kernels['prompt_launches']:.0f} "
+                  "launches; longest: " + "; ".join(f"{name[:60]} {us:.1f} us x{calls:g}"
+                                                   for name, us, calls in kernels["prompt_top"][:6]), flush=True)
         sparse = pruned = outputs = None
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -97,6 +97,8 @@ def test_a_decode_steps_kernels_are_profiled():
     calls = {name: launches for name, _, launches in step["top"]}
     sites = len({site.group or site.name for site in compiled.sparsecc_plan if site.choice == "2:4"})
     assert calls.get("sparsecc::linear_nm") == sites          # per step, whatever the prompt's forward ran
+    prompt_calls = {name: launches for name, _, launches in step["prompt_top"]}
+    assert prompt_calls.get("sparsecc::linear_nm") == sites and step["prompt_us"] > 0   # one forward
 
 
 @pytest.mark.slow

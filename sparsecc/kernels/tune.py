@@ -6,6 +6,10 @@ in the family's layout, as the compiled model runs it (CUDA-graph replay, the ca
 through enough weight copies that the weight is read from memory, not the L2 cache), checks
 each launch's result against the family's reference (an fp32 product), and keeps the fastest
 right one (a launch that declines the shape, as CUTLASS's ``can_implement`` may, is left out).
+A bucket is measured at its most rows but runs every batch size down to the bucket below, and a
+launch can be fast at the top and slow lower down (a second tile of x holding only a few rows):
+the :data:`FINALISTS` fastest are timed again at the bucket's fewest rows, and the one whose
+slower end is nearest its end's fastest wins.
 Winners are stored per GPU, torch, CUDA and sparsecc version in the cache directory
 (``<SPARSECC_CACHE_DIR>/tuning/*.json``, written atomically under a lock, like the kernel
 cache), so a shape is tuned once per machine.
@@ -53,6 +57,8 @@ TABLE_VERSION = 1
 #: the relative error against the fp32 product above which a launch computed a wrong result
 #: and never wins, however fast
 MAX_REL_ERR = {"float16": 3e-3, "bfloat16": 1e-2}
+#: the launches fastest at a bucket's most rows that are timed again at its fewest
+FINALISTS = 3
 
 
 @dataclass
@@ -205,12 +211,24 @@ def ensure_tuned(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int
                         family.name, *shape, m, str(error).splitlines()[0])
 
 
+def fewest_rows(family: KernelFamily, m: int) -> int | None:
+    """The fewest rows the bucket measured at ``m`` rows runs (one more than the bound below
+    it), or None where that is ``m`` itself."""
+    previous = 0
+    for bound, measured in family.buckets:
+        if bound == m or (bound == 0 and measured == m):
+            return previous + 1 if previous + 1 < m else None
+        previous = bound
+    return None
+
+
 def tune_bucket(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int], m: int, *,
                 device: torch.device | str = "cuda", progress: bool = True,
                 measure: Callable[[Launch, Callable[[], torch.Tensor]], float] | None = None) -> dict | None:
-    """Time every candidate launch of ``family`` for ``m`` rows of a weight of this shape and
-    record the fastest whose result is right (``measure(launch, run) -> us`` replaces the GPU
-    timing in tests). Returns the recorded entry, or None if no launch computed right."""
+    """Time every candidate launch of ``family`` for ``m`` rows of a weight of this shape, the
+    fastest again at the bucket's fewest rows (see the module docstring), and record the winner
+    (``measure(launch, run) -> us`` replaces the GPU timing in tests; ``run.x`` has the rows).
+    Returns the recorded entry, or None if no launch computed right."""
     start = time.perf_counter()
     device = torch.device(device)
     name, (n, k) = dtype_name(dtype), shape
@@ -222,27 +240,39 @@ def tune_bucket(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int]
     if device.type == "cuda":
         finish_packing(device)
     measure = measure or (lambda launch, run: time_us(run, device))
-    times: dict[Launch, float] = {}
-    description = f"sparsecc: tuning {family.name} {n}x{k} {name} M={m}"
-    for launch in tqdm(launches, desc=description, unit="launch", disable=not progress, leave=False):
-        run = packed_runner(packed.running([(0, launch)]), m, device, x_dtype=getattr(torch, launch.spec.dtype))
+
+    def timed(launch: Launch, rows: int) -> float | None:
+        """``launch``'s time at ``rows`` rows, or None (with a warning) where it declines the
+        shape or computes a wrong result."""
+        run = packed_runner(packed.running([(0, launch)]), rows, device, x_dtype=getattr(torch, launch.spec.dtype))
         with torch.no_grad():
             want = family.reference(run.x, weight)
             try:
                 got = run()
             except (RuntimeError, KernelRunError) as refusal:   # it declined the shape (CUTLASS's can_implement)
                 log.warning("tuning %s: %s does not run at %dx%d, M=%d (%s); it is left out",
-                            family.name, launch.label, n, k, m, str(refusal).splitlines()[0])
-                continue
+                            family.name, launch.label, n, k, rows, str(refusal).splitlines()[0])
+                return None
             error = relative_error(got.float(), want)
         if not error <= MAX_REL_ERR[name]:
-            log.warning("tuning %s: %s computed a wrong result (relative error %.3g); it is left out",
-                        family.name, launch.label, error)
-            continue
-        times[launch] = measure(launch, run)
+            log.warning("tuning %s: %s computed a wrong result at M=%d (relative error %.3g); it is left out",
+                        family.name, launch.label, rows, error)
+            return None
+        return measure(launch, run)
+
+    description = f"sparsecc: tuning {family.name} {n}x{k} {name} M={m}"
+    times = {launch: us for launch in tqdm(launches, desc=description, unit="launch", disable=not progress,
+                                           leave=False) if (us := timed(launch, m)) is not None}
     if not times:
         return None
-    best = min(times, key=times.get)
+    best = fastest = min(times, key=times.get)
+    low = fewest_rows(family, m)
+    if low is not None and len(times) > 1:
+        finalists = sorted(times, key=times.get)[:FINALISTS]
+        at_low = {launch: us for launch in finalists if (us := timed(launch, low)) is not None}
+        if at_low:
+            fastest_low = min(at_low.values())
+            best = min(at_low, key=lambda launch: max(times[launch] / times[fastest], at_low[launch] / fastest_low))
     found = entry(family.templates[0], name, m, n, k, best, round(times[best], 3))
     table().record([found])
     LOG.append(Tuned(family.name, name, n, k, m, best.label, round(times[best], 3), len(launches),

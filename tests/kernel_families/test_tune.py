@@ -242,6 +242,64 @@ def test_tuning_keeps_the_fastest_launch_whose_result_is_right(tunable, monkeypa
     assert not list(tunable.path.parent.glob("*.tmp*"))       # published by a rename, nothing left over
 
 
+def test_a_buckets_fewest_rows_are_one_past_the_bucket_below():
+    from sparsecc.kernels.sparse24 import Sparse24Gemm
+    gemm = Sparse24Gemm()                                     # buckets 1, 16, 32, 64, ..., 2048, open at 8192
+    assert [tune.fewest_rows(gemm, m) for m in (1, 16, 32, 64, 2048, 8192)] == [None, 2, 17, 33, 129, 2049]
+    assert tune.fewest_rows(FakeFamily(), 16) == 2 and tune.fewest_rows(FakeFamily(), 1) is None
+
+
+def test_a_launch_slow_at_its_buckets_fewest_rows_loses_to_one_fast_at_both_ends(tunable):
+    """At 16 rows (the bucket's most) one launch is 4% faster than the runner-up, at 2 (its fewest)
+    44% slower than the fastest there: the runner-up (4% and 11% behind) wins, recorded with its
+    time at 16 rows. The fastest at 2 rows, 25% behind at 16, stays out; 9% behind, it wins."""
+    family = FakeFamily()
+    edgy, steady, slow = family.launches[0], family.launches[1], family.launches[2]
+
+    class RightWeight(FakeWeight):
+        @staticmethod
+        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
+               kernels):
+            return F.linear(x, values)
+
+    family.layout = lambda weight: RightWeight(weight, None, *weight.shape)
+    times = {16: {edgy: 9.6, steady: 10.0, slow: 12.0}, 2: {edgy: 13.0, steady: 10.0, slow: 9.0}}
+    seen = []
+
+    def measure(launch, run):
+        seen.append((launch, run.x.shape[0]))
+        return times[run.x.shape[0]][launch]
+
+    found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False, measure=measure)
+    assert Launch.from_description(found) == steady and found["us"] == 10.0
+    assert sorted(rows for _, rows in seen) == [2] * 3 + [16] * 3      # FINALISTS = 3: all three again at 2
+    times[16][slow] = 10.5
+    tunable.here.clear()
+    found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False, measure=measure)
+    assert Launch.from_description(found) == slow
+
+
+def test_a_launch_wrong_at_its_buckets_fewest_rows_is_left_out(tunable, caplog):
+    family = FakeFamily()
+    fast, other = family.launches[0], family.launches[1]
+    family.launches = [fast, other]
+
+    class WrongWithFewRows(FakeWeight):
+        @staticmethod
+        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
+               kernels):
+            y = F.linear(x, values)
+            return y + 1.0 if x.shape[0] < 16 and "_t128x64x64" in kernels else y
+
+    family.layout = lambda weight: WrongWithFewRows(weight, None, *weight.shape)
+    times = {fast: 1.0, other: 5.0}
+    with caplog.at_level(logging.WARNING, logger="sparsecc"):
+        found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False,
+                                 measure=lambda launch, run: times[launch])
+    assert Launch.from_description(found) == other and found["us"] == 5.0
+    assert "wrong result at M=2" in caplog.text
+
+
 def test_no_right_launch_records_nothing(tunable):
     family = FakeFamily()
     family.launches = [family.launches[2]]                   # only the wrong one

@@ -189,6 +189,18 @@ class FakeWeight(KernelWeight):
         return y
 
 
+def computing(product):
+    """A FakeWeight whose op returns ``product(x, values, kernels)`` (the launch's symbols)."""
+
+    class Weight(FakeWeight):
+        @staticmethod
+        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
+               kernels):
+            return product(x, values, kernels)
+
+    return Weight
+
+
 class FakeFamily(KernelFamily):
     name = "fake"
     kind = "dense"
@@ -255,14 +267,8 @@ def test_a_launch_slow_at_its_buckets_fewest_rows_loses_to_one_fast_at_both_ends
     time at 16 rows. The fastest at 2 rows, 25% behind at 16, stays out; 9% behind, it wins."""
     family = FakeFamily()
     edgy, steady, slow = family.launches[0], family.launches[1], family.launches[2]
-
-    class RightWeight(FakeWeight):
-        @staticmethod
-        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
-               kernels):
-            return F.linear(x, values)
-
-    family.layout = lambda weight: RightWeight(weight, None, *weight.shape)
+    right = computing(lambda x, values, kernels: F.linear(x, values))
+    family.layout = lambda weight: right(weight, None, *weight.shape)
     times = {16: {edgy: 9.6, steady: 10.0, slow: 12.0}, 2: {edgy: 13.0, steady: 10.0, slow: 9.0}}
     seen = []
 
@@ -283,15 +289,9 @@ def test_a_launch_wrong_at_its_buckets_fewest_rows_is_left_out(tunable, caplog):
     family = FakeFamily()
     fast, other = family.launches[0], family.launches[1]
     family.launches = [fast, other]
-
-    class WrongWithFewRows(FakeWeight):
-        @staticmethod
-        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
-               kernels):
-            y = F.linear(x, values)
-            return y + 1.0 if x.shape[0] < 16 and "_t128x64x64" in kernels else y
-
-    family.layout = lambda weight: WrongWithFewRows(weight, None, *weight.shape)
+    wrong_with_few_rows = computing(lambda x, values, kernels:
+                                    F.linear(x, values) + (1.0 if x.shape[0] < 16 and "_t128x64x64" in kernels else 0.0))
+    family.layout = lambda weight: wrong_with_few_rows(weight, None, *weight.shape)
     times = {fast: 1.0, other: 5.0}
     with caplog.at_level(logging.WARNING, logger="sparsecc"):
         found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False,
@@ -393,15 +393,13 @@ def test_a_launch_that_declines_the_shape_is_left_out(tunable, caplog):
     family = FakeFamily()
     declining, slow, fast = family.launches[2], family.launches[0], family.launches[1]
 
-    class Declining(FakeWeight):
-        @staticmethod
-        def op(x, values, metadata, out_features, in_features, bias, activation, x_transposed, transpose_out,
-               kernels):
-            if "_t128x256x64" in kernels:
-                raise KernelRunError("can_implement failed: Error Misaligned Operand")
-            return F.linear(x, values)
+    def product(x, values, kernels):
+        if "_t128x256x64" in kernels:
+            raise KernelRunError("can_implement failed: Error Misaligned Operand")
+        return F.linear(x, values)
 
-    family.layout = lambda weight: Declining(weight, None, *weight.shape)
+    declining_weight = computing(product)
+    family.layout = lambda weight: declining_weight(weight, None, *weight.shape)
     times = {declining: 1.0, slow: 9.0, fast: 4.0}
     with caplog.at_level(logging.WARNING, logger="sparsecc"):
         found = tune.tune_bucket(family, torch.float16, (64, 128), 16, device="cpu", progress=False,

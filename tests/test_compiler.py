@@ -289,7 +289,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
     names no group."""
     import sparsecc.compiler as compiler
     from sparsecc.ir.siblings import SiblingGroup
-    from sparsecc.kernels.sparse24_by_rows import ByRowsWeight, GroupByRowsWeight
+    from sparsecc.kernels.by_rows import ByRowsWeight, GroupByRowsWeight
     from sparsecc.kernels.sparse24_small import MMA, Sparse24GemvWeight
     torch.manual_seed(0)
     model = llama()

@@ -45,8 +45,9 @@ class SitePlan:
     bytes_after: int
     buckets: list[dict] = field(default_factory=list)
     m_range: list[int] | None = None    # the declared batch range the choice covers
-    #: what runs the batches past the small-batch kernels' rows where a 2:4 site's range reaches
-    #: beyond them: None (the choice's GEMMs) or ABOVE_DENSE (timed faster there than 2:4)
+    #: what runs the batches past the low-end kernels' rows where a 2:4 or block-sparse site's range
+    #: reaches beyond them (sparsecc.kernels.by_rows): None (the choice's own kernels: 2:4's GEMMs,
+    #: BSR's) or ABOVE_DENSE (timed faster there than the sparse format)
     above: str | None = None
     #: where one call computes this site with others that read the same input in the same format
     #: (sparsecc.ir.siblings): their names joined by '+', in graph order

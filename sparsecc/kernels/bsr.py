@@ -131,6 +131,21 @@ def kernel_for_rows(m: int, block: tuple[int, int] = (0, 0), chunks_per_row: flo
     return kernel_for_bucket(BSR_BUCKETS.bound_for(m), block, chunks_per_row, block_rows)
 
 
+def rows_below_dense(lo: int, hi: int) -> int | None:
+    """The most rows a block-sparse site planned over ``lo..hi`` rows runs on the BSR kernels where
+    it keeps the model's dense weight for larger batches (:mod:`sparsecc.kernels.by_rows`: BSR
+    timed faster than dense at ``lo``, slower at ``hi``): the rows of the buckets that run ``lo``'s
+    kernel (one row to 16 on the small-batch tensor-core kernel); None where they reach ``hi``."""
+    bound = BSR_BUCKETS.bound_for(lo)
+    if bound == 0:
+        return None
+    for later in BSR_BUCKETS.bounds[BSR_BUCKETS.bounds.index(bound) + 1:]:
+        if DEFAULT_KERNEL[later] != DEFAULT_KERNEL[bound] or later in PAIRS_BUCKETS:
+            break
+        bound = later
+    return bound if bound < hi else None
+
+
 def chunks_per_block(block: tuple[int, int]) -> int:
     """The wgmma kernels' pipeline chunks (64 columns, or the block's width if narrower) per block."""
     return max(1, block[1] // 64)

@@ -16,6 +16,7 @@ from ..codegen.spec import KernelSpec
 from ..config import settings
 from ..errors import InputError, KernelBuildError
 from ..ir.formats import DENSE, NM_2_4, FormatSpec, PackedWeight
+from ..ir.plan import ABOVE_DENSE
 from ..ir.quant import E4M3, FP8_DTYPES
 from ..runtime.kernel_op import ensure
 from ..runtime.timing import packed_runner, time_all_us
@@ -23,7 +24,8 @@ from ..runtime.torch_ops import quantizer_spec
 from . import fp8
 from .base import KERNEL_DTYPES, KernelFamily, kernels_unavailable
 from .bitmap import BitmapTiled
-from .bsr import Bsr
+from .bsr import Bsr, rows_below_dense
+from .by_rows import ByRowsWeight
 from .csr import CsrTiled
 from .csr_spmm import MAX_DENSITY as SPMM_MAX_DENSITY
 from .csr_spmm import CsrSpmm
@@ -140,20 +142,25 @@ def candidates(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], pla
 
 def small_batch_tier(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], lo: int,
                      hi: int) -> tuple[str, int] | None:
-    """For a site of ``spec`` planned over ``lo..hi`` rows that is packed twice (2:4: the
-    small-batch kernels at the low end, the GEMMs or the dense weight above), how the plan names
-    the small-batch kernels and the most rows they run; None where one packing serves the range."""
-    if spec != NM_2_4:
-        return None
-    tier = sparse24_by_rows.small_tier(dtype, shape, lo, hi)
-    return None if tier is None else (tier[0].unit, tier[1])
+    """For a site of ``spec`` planned over ``lo..hi`` rows that may be packed twice by rows
+    (:mod:`~sparsecc.kernels.by_rows`: 2:4's small-batch kernels at the low end and its GEMMs or
+    the dense weight above; BSR's kernels at the low end and the dense weight above), how the plan
+    names the kernels of the low end and the most rows they run; None where one packing serves
+    the range."""
+    if spec == NM_2_4:
+        tier = sparse24_by_rows.small_tier(dtype, shape, lo, hi)
+        return None if tier is None else (tier[0].unit, tier[1])
+    if spec.kind == "bsr":
+        limit = rows_below_dense(lo, hi)
+        return None if limit is None else (BSR.unit, limit)
+    return None
 
 
 def members_dense_above(packed: PackedWeight, weights: list[torch.Tensor]) -> PackedWeight | None:
     """A sibling group's packing whose large batches run its stacked dense weight, with each
     member's own weight there instead (``weights``, in the group's order: the model's tensors, not
     a stacked copy); None where ``packed`` runs no dense weight above a small-batch tier."""
-    if isinstance(packed, sparse24_by_rows.ByRowsWeight) and packed.large is None:
+    if isinstance(packed, ByRowsWeight) and packed.large is None:
         return packed.for_members(weights)
     return None
 
@@ -164,7 +171,9 @@ def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: t
     kernels loaded; the launches of the batches in ``tune_range`` are tuned first where they
     may be (:mod:`sparsecc.kernels.tune`). A 2:4 weight whose ``tune_range`` spans the
     small-batch kernels' rows and the GEMMs' is packed for both, or for the small-batch kernels
-    and the dense weight where ``above`` says ``"dense"`` (:mod:`~sparsecc.kernels.sparse24_by_rows`).
+    and the dense weight where ``above`` says ``"dense"`` (:mod:`~sparsecc.kernels.sparse24_by_rows`);
+    a block-sparse one so for the BSR kernels up to the rows of the range's low end
+    (:func:`small_batch_tier`) and the dense weight above.
     A quantized 2:4 weight is packed for the FP8 GEMM writing y in ``input_dtype``, its site's."""
     reason = refusal(spec, tuple(weight.shape), weight.dtype, input_dtype=input_dtype)
     if reason:
@@ -175,7 +184,11 @@ def pack(weight: torch.Tensor, spec: FormatSpec, m: int | None, *, tune_range: t
         return sparse24_by_rows.pack(weight, m, tune_range=tune_range, progress=progress, above=above)
     if spec.kind == "csr":
         return pack_unstructured(weight, m, tune_range=tune_range, progress=progress)
-    return BSR.pack(weight, spec, m, tune_range=tune_range, progress=progress)
+    packed = BSR.pack(weight, spec, m, tune_range=tune_range, progress=progress)
+    limit = rows_below_dense(*tune_range) if above == ABOVE_DENSE and tune_range is not None else None
+    if limit is None:
+        return packed
+    return ByRowsWeight(packed, limit, None, weight.detach(), selection=f"{BSR.unit} up to M={limit}, dense (torch) above")
 
 
 def pack_unstructured(weight: torch.Tensor, m: int | None, *, tune_range: tuple[int, int] | None = None,

@@ -410,10 +410,10 @@ class CostModel:
                        for s in candidates]
         best_per_bucket = [min(t[i] for t in times.values()) for i in range(len(ranges))]
         worst_ratio = {s: max(t[i] / best_per_bucket[i] for i in range(len(ranges))) for s, t in times.items()}
-        tier = self._small_batch_tier(stats, candidates, declared)
-        by_rows = self._by_rows_ratio(stats, tier, ranges, times, best_per_bucket) if tier else None
-        if by_rows is not None:         # 2:4 may run the low end only: shortlisted by what it runs there
-            worst_ratio[NM_2_4] = min(worst_ratio[NM_2_4], by_rows)
+        tiers = self._small_batch_tiers(stats, candidates, declared)
+        for spec, tier in tiers.items():    # it may run the low end only: shortlisted by what it runs there
+            worst_ratio[spec] = min(worst_ratio[spec], self._by_rows_ratio(stats, spec, tier, ranges, times,
+                                                                           best_per_bucket))
         buckets = [self._bucket(stats, candidates, lo, hi, rep, planned_m, declared) for lo, hi in BUCKETS
                    for rep in [representative_m(lo, hi)]]
         forced = allowed is not None and not any(s.kind == "dense" for s in allowed)
@@ -439,13 +439,13 @@ class CostModel:
         if timing and not over_budget:
             start = time.perf_counter()
             measured = self._timed_settled(lambda: measure_sites(shortlist, at_m, planned_m))
-            tier = tier if NM_2_4 in shortlist else None
+            tiers = {spec: tier for spec, tier in tiers.items() if spec in shortlist}
             low = declared[0]
-            low_measured = self._timed_settled(lambda: measure_sites(shortlist, low, low)) if tier else {}
+            low_measured = self._timed_settled(lambda: measure_sites(shortlist, low, low)) if tiers else {}
             self.timing_spent_s += time.perf_counter() - start
             decision = self._choose_by_timing(stats, shortlist, times, predictions, buckets, measured, at_m, where,
                                               planned_m)
-            return self._with_small_batches(decision, tier, low, low_measured) if tier else decision
+            return self._with_small_batches(decision, tiers, low, low_measured) if tiers else decision
         spec, why = self._choose(pool, times, worst_ratio, predictions)
         budget = (f"; not timed: this plan's timing budget of {self.timing_budget_s:g} s is spent"
                   if over_budget else "")
@@ -505,45 +505,54 @@ class CostModel:
         return Decision(spec, f"{spec} was timed fastest{self._where_it_runs(stats, spec, planned_m)}; {why}",
                         predictions, buckets)
 
-    def _small_batch_tier(self, stats: WeightStats, shortlist, declared: tuple[int, int]) -> tuple[str, int] | None:
-        """Where 2:4, among ``shortlist``, would run the low end of a declared range on other kernels
-        than its top (the small-batch ones), how the plan names them and the most rows they run
-        (:func:`~sparsecc.kernels.registry.small_batch_tier`): the shortlist is timed there too.
-        None otherwise."""
-        if NM_2_4 not in shortlist or not self.uses_kernel(stats, NM_2_4) or declared[0] == declared[1]:
-            return None
-        return registry.small_batch_tier(NM_2_4, getattr(torch, stats.dtype), stats.shape, *declared)
+    def _small_batch_tiers(self, stats: WeightStats, shortlist,
+                           declared: tuple[int, int]) -> dict[FormatSpec, tuple[str, int]]:
+        """The sparse formats among ``shortlist`` that would run the low end of a declared range on
+        kernels of their own, with the dense weight or other kernels above
+        (:func:`~sparsecc.kernels.registry.small_batch_tier`: 2:4's small-batch kernels, BSR's): how
+        the plan names those kernels and the most rows they run. The shortlist is timed there too."""
+        if declared[0] == declared[1]:
+            return {}
+        tiers = {}
+        for spec in shortlist:
+            if spec.kind in ("nm", "bsr") and self.uses_kernel(stats, spec):
+                tier = registry.small_batch_tier(spec, getattr(torch, stats.dtype), stats.shape, *declared)
+                if tier is not None:
+                    tiers[spec] = tier
+        return tiers
 
-    def _by_rows_ratio(self, stats: WeightStats, tier: tuple[str, int], ranges, times,
+    def _by_rows_ratio(self, stats: WeightStats, spec: FormatSpec, tier: tuple[str, int], ranges, times,
                        best_per_bucket) -> float:
-        """For 2:4 with a small-batch ``tier`` over the range, the worst ratio to the fastest
-        prediction of 2:4 run by rows: the tier's kernels predicted in the buckets it serves,
-        dense above (the top's 2:4 prediction is the GEMMs', which may be far off dense while
-        the small-batch kernels win at the low end)."""
-        limit, host = tier[1], self._extra_host_us(NM_2_4)
-        ratios = [(self.predict_us(stats, NM_2_4, rep, rep) + host if rep <= limit else times[DENSE][i])
+        """For ``spec`` with a low-end ``tier`` over the range, the worst ratio to the fastest
+        prediction of ``spec`` run by rows: its kernels predicted in the buckets the tier serves,
+        dense above (the top's prediction may be far off dense while the low end wins)."""
+        limit, host = tier[1], self._extra_host_us(spec)
+        ratios = [(self.predict_us(stats, spec, rep, rep) + host if rep <= limit else times[DENSE][i])
                   / best_per_bucket[i] for i, (_, _, rep) in enumerate(ranges)]
         return max(1.0, max(ratios))
 
-    def _with_small_batches(self, decision: Decision, tier: tuple[str, int], low: int,
+    def _with_small_batches(self, decision: Decision, tiers: dict[FormatSpec, tuple[str, int]], low: int,
                             low_measured: dict) -> Decision:
         """``decision`` (made at the top of the range) with what the timing at its low end adds:
-        where 2:4 on the small-batch kernels beat dense there by the margin, the site runs 2:4 up
-        to the rows those kernels serve, and above them 2:4's GEMMs if 2:4 was chosen at the top,
-        else the dense weight (``above="dense"``)."""
+        where the fastest there of the formats with a low-end tier (``tiers``) beat dense by the
+        margin, the site runs that format up to the rows of its tier, and above them the same
+        format (2:4: on its GEMMs) if it was chosen at the top, else the dense weight
+        (``above="dense"``)."""
         measured = {FormatSpec.parse(str(s)): us for s, us in low_measured.items()}
-        sparse, dense = measured.get(NM_2_4), measured.get(DENSE)
-        if sparse is None or dense is None:
+        dense = measured.get(DENSE)
+        timed = {spec: measured[spec] for spec in tiers if spec in measured}
+        if dense is None or not timed:
             return decision
-        unit, limit = tier
-        note = f"at M={low}, the range's low end, 2:4 on {unit} timed {sparse:.1f} us, dense {dense:.1f} us"
+        spec = min(timed, key=timed.get)
+        unit, limit = tiers[spec]
+        note = f"at M={low}, the range's low end, {spec} on {unit} timed {timed[spec]:.1f} us, dense {dense:.1f} us"
         margin = MEASURED_MARGIN["cuda" if self.device.type == "cuda" else "cpu"]
-        if sparse > margin * dense or decision.choice not in (NM_2_4, DENSE):
+        if timed[spec] > margin * dense or decision.choice not in (spec, DENSE):
             return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
-        if decision.choice == NM_2_4:
-            return dataclasses.replace(decision, reason=f"{decision.reason}; {note}: up to M={limit} on it, "
-                                                        "above on the GEMMs")
-        return Decision(NM_2_4, f"2:4 up to M={limit}, dense above: {note}; above M={limit}: {decision.reason}",
+        if decision.choice == spec:
+            above = ": up to M={limit} on it, above on the GEMMs".format(limit=limit) if spec == NM_2_4 else ""
+            return dataclasses.replace(decision, reason=f"{decision.reason}; {note}{above}")
+        return Decision(spec, f"{spec} up to M={limit}, dense above: {note}; above M={limit}: {decision.reason}",
                         decision.candidates, decision.buckets, above=ABOVE_DENSE)
 
     def prices_groups(self) -> bool:

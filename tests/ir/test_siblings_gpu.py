@@ -84,7 +84,7 @@ def test_a_group_planned_dense_above_the_small_batches_shares_their_call(gen):
     """Planned for 1 to 512 rows with the dense weights above the small-batch kernels (as a causal
     LM's prefill often is): the five share one small-batch call on their stacked weight, and past
     its rows each runs its own weight, the model's; both against fp64."""
-    from sparsecc.kernels.sparse24_by_rows import linear_split_by_rows
+    from sparsecc.kernels.by_rows import linear_split_by_rows
     model = block(gen)
     x = torch.randn(512, 256, generator=gen).half().cuda()
     plan = sparsecc.plan(model, x, formats=("2:4",), m_range=(1, 512))

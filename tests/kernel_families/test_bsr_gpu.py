@@ -364,3 +364,22 @@ def test_calibration_times_the_kernels_under_graph_replay():
     assert on_kernel.capturable and not site_runner(w, spec, 64).capturable
     assert rel_error(on_kernel(), reference(on_kernel.x, w, None, "none")) <= TOLERANCE[torch.float16]
     assert 0 < time_us(on_kernel, "cuda") < 1000
+
+
+def test_a_range_packs_blocks_for_its_low_end_and_the_dense_weight_above():
+    """A site planned over M = 1..512 that keeps its dense weight above its low end: the BSR kernels
+    up to 16 rows (the small-batch kernel's), the model's own weight past them, each call against
+    the fp64 reference."""
+    from sparsecc.ir.plan import ABOVE_DENSE
+    from sparsecc.kernels import registry
+    from sparsecc.kernels.by_rows import ByRowsWeight
+    w = weight((64, 64), 16, 32, 0.1, torch.float16)
+    packed = registry.pack(w, FormatSpec.parse("bsr64x64"), 512, tune_range=(1, 512), above=ABOVE_DENSE)
+    assert isinstance(packed, ByRowsWeight) and packed.limit == 16 and packed.dense.data_ptr() == w.data_ptr()
+    assert isinstance(registry.pack(w, FormatSpec.parse("bsr64x64"), 512, tune_range=(1, 512)), BsrKernelWeight)
+    bias = torch.randn(w.shape[0], dtype=torch.float16, device="cuda")
+    for rows in (1, 16, 17, 512):
+        x = torch.randn(rows, w.shape[1], dtype=torch.float16, device="cuda")
+        got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "relu", False, False,
+                        *packed.extra_args)
+        assert rel_error(got, reference(x, w, bias, "relu")) < TOLERANCE[torch.float16], rows

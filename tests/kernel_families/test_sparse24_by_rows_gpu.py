@@ -10,7 +10,7 @@ import sparsecc
 from sparsecc.ir.formats import NM_2_4
 from sparsecc.ir.plan import ABOVE_DENSE
 from sparsecc.kernels import registry
-from sparsecc.kernels.sparse24_by_rows import ByRowsWeight
+from sparsecc.kernels.by_rows import ByRowsWeight
 
 from conftest import kernels_of_24_sites, rel_error
 from kernel_families.test_gemm_gpu import reference, sparse_weight

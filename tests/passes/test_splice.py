@@ -80,7 +80,7 @@ def test_shared_weight_packed_once_per_site_name(gen):
 def test_an_array_a_format_leaves_out_is_passed_as_none(gen):
     """A 2:4 site packed by rows with the dense weight above its small-batch limit has no
     metadata on its large tier: the op gets None, and no buffer stands for it."""
-    from sparsecc.kernels.sparse24_by_rows import ByRowsWeight
+    from sparsecc.kernels.by_rows import ByRowsWeight
     from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
 
     model, x = TwoLayers(gen), torch.randn(3, 32, generator=gen)
@@ -127,7 +127,7 @@ def test_siblings_planned_dense_above_the_small_batches_keep_their_own_weights_t
     gives each member its output (no split node), the group's small-batch arrays and the members'
     own weights as buffers (the model's tensors, not a stacked copy); above the limit the members'
     weights compute the model, at or below it one shared kernel call does."""
-    import sparsecc.kernels.sparse24_by_rows as by_rows
+    import sparsecc.kernels.by_rows as by_rows
     from sparsecc.ir import siblings
     from sparsecc.ir.analysis import analyze
     from sparsecc.ir.formats import FormatSpec

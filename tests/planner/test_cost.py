@@ -373,6 +373,32 @@ def test_a_range_shortlists_24_by_what_its_small_batch_kernels_run(gen):
     assert decision.choice == NM_2_4 and decision.above == "dense", decision.reason
 
 
+def test_a_range_runs_blocks_at_its_low_end_where_they_win_only_there(gen):
+    """Planned over M = 1..512, a 2048x2048 weight with 10% of its 64x64 blocks: timed slower than
+    dense at the top bucket but faster at M=1, the site runs the BSR kernels up to the rows of the
+    kernel that runs one row (16) and its dense weight above; where the blocks lose at M=1 too, it
+    stays dense."""
+    weight = block_sparse(2048, 2048, (64, 64), 0.1, gen).half()
+    stats = analyze(weight)
+    model = _h100()
+    model.measure = True
+    timed = []
+
+    def measure(low_wins):
+        def timing(specs, m, planned_m):
+            timed.append((m, sorted(map(str, specs))))
+            return {s: 10.0 if s.kind == "dense" else (5.0 if m == 1 and low_wins else 12.0) for s in specs}
+        return timing
+
+    decision = model.decide(stats, 512, None, measure_sites=measure(True), m_range=(1, 512))
+    assert timed[0][0] > 128 and timed[-1][0] == 1 and "bsr64x64" in timed[-1][1]
+    assert decision.choice.kind == "bsr" and decision.above == "dense", decision.reason
+    assert f"{decision.choice} up to M=16, dense above" in decision.reason
+    decision = model.decide(stats, 512, None, measure_sites=measure(False), m_range=(1, 512))
+    assert str(decision.choice) == "dense" and decision.above is None, decision.reason
+    assert "the range's low end" in decision.reason
+
+
 def test_sites_alike_share_one_timing_unless_values_matter(gen, monkeypatch):
     """Dense, 2:4 on sparsecc's kernels and n:m on torch cost the same for every weight of a shape: the
     second site of a shape takes the first one's times (one decision for a model's layers);

@@ -186,7 +186,8 @@ def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None = None, *, new_tokens: int, cache=None,
                        repeats: int = 3, warmup: int = 1, loop: str = "generate") -> dict[str, GenerationTiming]:
     """:func:`time_generate` for several models (by name) on the same prompts, their timed calls
-    interleaved round by round, so a burst of other work on the machine falls on all alike."""
+    interleaved round by round, so a burst of other work on the machine falls on all alike, and the
+    order rotated by one each round, so no model always runs right after the same other one."""
     if new_tokens < 1 or repeats < 1 or warmup < 0:
         raise InputError(f"time_generate needs new_tokens >= 1, repeats >= 1 and warmup >= 0, got "
                          f"{new_tokens}, {repeats}, {warmup}")
@@ -207,9 +208,12 @@ def time_generate_each(models: dict[str, nn.Module], input_ids: torch.Tensor,
     ttfts: dict[str, list[float]] = {name: [] for name in models}
     rates: dict[str, list[float]] = {name: [] for name in models}
     last = {}
-    for _ in range(repeats):
-        for name, model in models.items():
-            ttft, rate, last[name] = _timed_call(run, model, input_ids, attention_mask, new_tokens, caches[name])
+    names = list(models)
+    for turn in range(repeats):
+        shift = turn % max(1, len(names))
+        for name in names[shift:] + names[:shift]:
+            ttft, rate, last[name] = _timed_call(run, models[name], input_ids, attention_mask, new_tokens,
+                                                 caches[name])
             ttfts[name].append(ttft)
             if rate is not None:
                 rates[name].append(rate)

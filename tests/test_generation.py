@@ -45,15 +45,15 @@ def test_time_generate_reports_the_first_token_and_the_decode_rate():
         time_generate(model, ids, new_tokens=0)
 
 
-def test_several_models_are_timed_in_turn():
+def test_several_models_are_timed_in_turn_the_order_rotating():
     torch.manual_seed(0)
     first, second = llama_lm(), llama_lm()
     ids = torch.randint(3, 256, (2, 4))
     order = []
     first.register_forward_pre_hook(lambda *_: order.append("first"))
     second.register_forward_pre_hook(lambda *_: order.append("second"))
-    timings = time_generate_each({"first": first, "second": second}, ids, new_tokens=1, repeats=2, warmup=0)
-    assert list(timings) == ["first", "second"] and order == ["first", "second"] * 2
+    timings = time_generate_each({"first": first, "second": second}, ids, new_tokens=1, repeats=3, warmup=0)
+    assert list(timings) == ["first", "second"] and order == ["first", "second", "second", "first", "first", "second"]
     assert torch.equal(timings["first"].sequences, greedy(first, ids, new_tokens=1))
 
 

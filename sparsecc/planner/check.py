@@ -87,8 +87,9 @@ class Raced(NamedTuple):
 
 def race(first: Callable[[], object], second: Callable[[], object], *, cuda: bool) -> Raced:
     """Microseconds per call of ``first()`` and ``second()``: the median of :data:`ROUNDS`
-    interleaved rounds, each the wall time of :data:`CALLS` calls and the wait for the GPU (what a
-    caller sees, whether the host or the GPU sets the pace; ``cuda``: they run on the GPU); and
+    interleaved rounds (the two lead in turn), each the wall time of :data:`CALLS` calls and the
+    wait for the GPU (what a caller sees, whether the host or the GPU sets the pace; ``cuda``: they
+    run on the GPU); and
     whether issuing ``second``'s calls took :data:`HOST_BOUND` of that time or more (on the GPU).
 
     Python's collector is paused while they run (after one collection): a compile leaves many
@@ -114,8 +115,9 @@ def _race(first: Callable[[], object], second: Callable[[], object], cuda: bool)
         for fn in (first, second):
             for _ in range(3):               # warm-up; torch.compile's CUDA graphs record on the first calls
                 fn()
-        for _ in range(ROUNDS):
-            for fn, found, shares in zip((first, second), times, issuing):
+        runners = list(zip((first, second), times, issuing))
+        for turn in range(ROUNDS):          # each leads in turn: neither always runs after the other
+            for fn, found, shares in (runners if turn % 2 == 0 else runners[::-1]):
                 sync()
                 start = time.perf_counter()
                 for _ in range(CALLS):

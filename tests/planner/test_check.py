@@ -33,6 +33,15 @@ def test_racing_two_graphs_times_both():
     assert times.first_us > times.second_us > 0 and not times.second_host_bound
 
 
+def test_the_two_take_the_lead_in_turn():
+    from sparsecc.planner.check import CALLS, ROUNDS
+    calls = []
+    race(lambda: calls.append("a"), lambda: calls.append("b"), cuda=False)
+    rounds = calls[6:]                                       # after three warm-up calls each
+    leaders = [rounds[i * 2 * CALLS] for i in range(ROUNDS)]
+    assert len(rounds) == 2 * CALLS * ROUNDS and leaders == ["a", "b"] * (ROUNDS // 2) + ["a"] * (ROUNDS % 2)
+
+
 @pytest.mark.parametrize("collecting", [True, False])
 def test_the_race_runs_with_the_collector_paused_and_leaves_it_as_it_was(collecting):
     seen = []

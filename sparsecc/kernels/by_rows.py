@@ -44,8 +44,28 @@ def linear_by_rows(x: Tensor, values: Tensor, metadata: Optional[Tensor], large_
                          x_transposed, transpose_out, large_kernels)
 
 
+class _SmallTier(PackedWeight):
+    """What both packings share: ``small``, the low end's packing (its format is theirs), serves
+    up to ``limit`` rows."""
+
+    small: KernelWeight
+    limit: int
+
+    @property
+    def spec(self) -> FormatSpec:  # type: ignore[override]
+        return self.small.spec
+
+    @property
+    def shape(self):  # type: ignore[override]
+        return self.small.shape
+
+    def scalars(self):
+        return {"out_features": self.small.out_features, "in_features": self.small.in_features,
+                "limit": self.limit}
+
+
 @dataclass
-class ByRowsWeight(PackedWeight):
+class ByRowsWeight(_SmallTier):
     """A sparse weight packed twice (see the module docstring): ``small`` for up to ``limit`` rows,
     ``large`` above (None: ``dense``, the weight itself, runs there)."""
 
@@ -58,14 +78,6 @@ class ByRowsWeight(PackedWeight):
     op = staticmethod(linear_by_rows)
 
     @property
-    def spec(self) -> FormatSpec:  # type: ignore[override]
-        return self.small.spec
-
-    @property
-    def shape(self):  # type: ignore[override]
-        return self.small.shape
-
-    @property
     def extra_args(self) -> tuple:
         return (self.small.kernels, self.large.kernels if self.large is not None else "")
 
@@ -74,10 +86,6 @@ class ByRowsWeight(PackedWeight):
         return {"values": self.small.values, "metadata": self.small.metadata,
                 "large_values": large.values if large is not None else self.dense,
                 "large_metadata": large.metadata if large is not None else None}
-
-    def scalars(self):
-        return {"out_features": self.small.out_features, "in_features": self.small.in_features,
-                "limit": self.limit}
 
     def to_dense(self) -> Tensor:
         return self.small.to_dense()
@@ -111,7 +119,7 @@ def linear_split_by_rows(x: Tensor, values: Tensor, metadata: Optional[Tensor], 
 
 
 @dataclass
-class GroupByRowsWeight(PackedWeight):
+class GroupByRowsWeight(_SmallTier):
     """A sibling group's sparse weights (see the module docstring): ``small``, the stacked weight's
     small-batch packing, for up to ``limit`` rows; above, ``dense``, the members' own weights. Its
     op returns the members' outputs, not the stacked one."""
@@ -126,23 +134,11 @@ class GroupByRowsWeight(PackedWeight):
     returns_parts = True
 
     @property
-    def spec(self) -> FormatSpec:  # type: ignore[override]
-        return self.small.spec
-
-    @property
-    def shape(self):  # type: ignore[override]
-        return self.small.shape
-
-    @property
     def extra_args(self) -> tuple:
         return (self.small.kernels,)
 
     def tensors(self):
         return {"values": self.small.values, "metadata": self.small.metadata, "dense": self.dense}
-
-    def scalars(self):
-        return {"out_features": self.small.out_features, "in_features": self.small.in_features,
-                "limit": self.limit}
 
     @property
     def nbytes(self) -> int:

@@ -550,7 +550,7 @@ class CostModel:
         if timed[spec] > margin * dense or decision.choice not in (spec, DENSE):
             return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
         if decision.choice == spec:
-            above = ": up to M={limit} on it, above on the GEMMs".format(limit=limit) if spec == NM_2_4 else ""
+            above = f": up to M={limit} on it, above on the GEMMs" if spec == NM_2_4 else ""
             return dataclasses.replace(decision, reason=f"{decision.reason}; {note}{above}")
         return Decision(spec, f"{spec} up to M={limit}, dense above: {note}; above M={limit}: {decision.reason}",
                         decision.candidates, decision.buckets, above=ABOVE_DENSE)

@@ -383,3 +383,19 @@ def test_a_range_packs_blocks_for_its_low_end_and_the_dense_weight_above():
         got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "relu", False, False,
                         *packed.extra_args)
         assert rel_error(got, reference(x, w, bias, "relu")) < TOLERANCE[torch.float16], rows
+
+
+def test_a_model_compiled_for_decode_and_prefill_computes_the_layer_at_every_batch():
+    """Compiled over M = 1..512, a 10% block-sparse layer computes x W^T + b at one row, at the low
+    tier's 16, past it and at 512 (whichever tiers timing gave it), and its reason says which ran."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU()).half().cuda().eval()
+    with torch.no_grad():
+        model[0].weight.copy_(weight((64, 64), 32, 32, 0.1, torch.float16))
+    compiled = sparsecc.compile(model, torch.randn(512, 2048, dtype=torch.float16, device="cuda"), m_range=(1, 512))
+    site = compiled.sparsecc_plan["0"]
+    assert (site.above == "dense") == ("up to M=16, dense above" in site.reason)
+    with torch.no_grad():
+        for rows in (1, 16, 17, 512):
+            x = torch.randn(rows, 2048, dtype=torch.float16, device="cuda")
+            assert rel_error(compiled(x), reference(x, model[0].weight, model[0].bias, "relu")) < 1e-2, rows

@@ -13,6 +13,25 @@ from sparsecc.kernels.sparse24_small import Sparse24GemvWeight
 from conftest import block_sparse, n_m
 
 
+def _recorded_kernel_calls(monkeypatch) -> list:
+    """by_rows' kernel op replaced by one that records each call's (rows, values, metadata,
+    kernels) and returns zeros."""
+    calls = []
+
+    def kernel(x, values, metadata, n, k, bias, activation, x_transposed, transpose_out, kernels):
+        calls.append((x.numel() // k, values, metadata, kernels))
+        return x.new_zeros(*x.shape[:-1], n)
+
+    monkeypatch.setattr(by_rows, "linear_kernel", kernel)
+    return calls
+
+
+def _call(packed, x, bias, activation):
+    """``packed``'s op on ``x`` with its arrays and scalars in the op's order, as a site calls it."""
+    return packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, activation, False, False,
+                     *packed.extra_args)
+
+
 def _packed(gen, dense_above: bool):
     weight = n_m(48, 64, 2, 4, gen)
     small = Sparse24GemvWeight.pack(weight).running([])
@@ -23,18 +42,11 @@ def _packed(gen, dense_above: bool):
 @pytest.mark.parametrize("dense_above", [False, True])
 def test_each_call_runs_the_tier_of_its_rows(monkeypatch, gen, dense_above):
     weight, packed = _packed(gen, dense_above)
-    calls = []
-
-    def kernel(x, values, metadata, n, k, bias, activation, x_transposed, transpose_out, kernels):
-        calls.append((x.numel() // k, values, metadata, kernels))
-        return x.new_zeros(*x.shape[:-1], n)
-
-    monkeypatch.setattr(by_rows, "linear_kernel", kernel)
+    calls = _recorded_kernel_calls(monkeypatch)
     bias = torch.randn(48, generator=gen)
     for rows in (1, 4, 5, 300):
         x = torch.randn(rows, 64, generator=gen)
-        got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "relu", False, False,
-                        *packed.extra_args)
+        got = _call(packed, x, bias, "relu")
         assert got.shape == (rows, 48)
         if rows <= 4:
             assert calls[-1][0] == rows and calls[-1][1] is packed.small.values and calls[-1][3] == packed.small.kernels
@@ -68,8 +80,7 @@ def test_a_group_shares_the_small_call_and_runs_each_members_weight_above(monkey
     bias = torch.randn(80, generator=gen)
     for rows in (1, 4, 5, 300):
         x = torch.randn(rows, 64, generator=gen)
-        got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "relu", False, False,
-                        *packed.extra_args)
+        got = _call(packed, x, bias, "relu")
         assert [tuple(y.shape) for y in got] == [(rows, 48), (rows, 16), (rows, 16)]
         for y, w, b in zip(got, weights, bias.split([48, 16, 16])):
             want = torch.relu(x.double() @ w.double().t() + b.double())
@@ -99,18 +110,11 @@ def test_a_block_sparse_small_tier_runs_up_to_its_limit_and_dense_above(monkeypa
     packed = by_rows.ByRowsWeight(small, 16, None, weight)
     assert packed.spec == FormatSpec.parse("bsr64x64") and packed.shape == (128, 192)
     assert torch.equal(packed.to_dense(), weight)
-    calls = []
-
-    def kernel(x, values, metadata, n, k, bias, activation, x_transposed, transpose_out, kernels):
-        calls.append((x.numel() // k, values, metadata))
-        return x.new_zeros(*x.shape[:-1], n)
-
-    monkeypatch.setattr(by_rows, "linear_kernel", kernel)
+    calls = _recorded_kernel_calls(monkeypatch)
     bias = torch.randn(128, generator=gen)
     for rows in (1, 16, 17, 512):
         x = torch.randn(rows, 192, generator=gen)
-        got = packed.op(x, *packed.tensors().values(), *packed.scalars().values(), bias, "gelu", False, False,
-                        *packed.extra_args)
+        got = _call(packed, x, bias, "gelu")
         if rows <= 16:
             assert calls[-1][0] == rows and calls[-1][1] is small.values and calls[-1][2] is small.metadata
         else:

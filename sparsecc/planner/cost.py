@@ -515,7 +515,7 @@ class CostModel:
             return {}
         tiers = {}
         for spec in shortlist:
-            if spec.kind in ("nm", "bsr") and self.uses_kernel(stats, spec):
+            if spec.kind != "dense" and self.uses_kernel(stats, spec):
                 tier = registry.small_batch_tier(spec, getattr(torch, stats.dtype), stats.shape, *declared)
                 if tier is not None:
                     tiers[spec] = tier

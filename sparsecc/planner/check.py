@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import operator
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -23,6 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.fx as fx
 
+from ..ir.mutation import writes_in_place
 from ..ir.plan import Plan
 from ..runtime.timing import capture_graph
 
@@ -41,29 +41,6 @@ HOST_BOUND_MARGIN = 0.95
 HOST_BOUND = 0.9
 #: the two programs are timed in this many interleaved rounds of this many calls each (median kept)
 ROUNDS, CALLS = 5, 5
-
-#: the functions of Python's ``operator`` module that change their first argument
-_OPERATOR_IN_PLACE = {"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior", "ipow",
-                      "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"}
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` may write into one of its arguments: a tensor method or torch function
-    named with a trailing underscore (``add_``), one given ``out=``, an aten op whose schema
-    mutates, or an in-place function of ``operator`` (``setitem``, ``iadd``; not ``and_``, which
-    only avoids a keyword)."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if "out" in node.kwargs:
-        return True
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    if node.op == "call_function" and getattr(operator, getattr(target, "__name__", ""), None) is target:
-        return target.__name__ in _OPERATOR_IN_PLACE
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
 
 def can_run_again(graphs: list[fx.GraphModule], inputs: list) -> bool:
     """Whether programs made of ``graphs`` may be called a few more times on ``inputs`` to time

@@ -13,7 +13,9 @@ and eager runs without dispatch overhead; a quantized site that stays dense call
 with the same scales; the sites of a :class:`~sparsecc.ir.siblings.SiblingGroup` become one call
 of their format's op on the stacked weight, placed where the first of them was, whose output
 ``torch.split`` shares out (each member's own activation after its split where the kernel applies
-none); weights and modules nothing reads any more are dropped from the graph module (modules it
+none), or, where the members sit in different graphs (the layers of a module that did not trace
+whole), a call of one :class:`~sparsecc.runtime.shared_call.SharedCall` that all their graphs
+hold, each for its own output; weights and modules nothing reads any more are dropped from the graph module (modules it
 shares with the original model are never modified: see :func:`_drop_unused`).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn as nn
 from sparsecc.ir.epilogue import apply_activation
 from sparsecc.ir.formats import PackedWeight
 from sparsecc.ir.siblings import SiblingGroup
+from sparsecc.runtime.shared_call import SharedCall
 from sparsecc.runtime.torch_ops import OP_FOR_FP8, OP_FOR_KIND, fp8_dense_op, linear_torch
 from sparsecc.ir.site import SITE_KEY
 
@@ -35,6 +38,8 @@ from . import PassResult
 from .fuse_epilogue import erase_dead_inputs
 
 PACKED_MODULE = "sparsecc_packed"
+#: a graph's submodules that compute groups whose members sit in different graphs: _0, _1, ...
+SHARED_PREFIX = "sparsecc_shared_"
 
 
 def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | SiblingGroup | None]) -> PassResult:
@@ -47,7 +52,9 @@ def run(gm: fx.GraphModule, decisions: dict[str, PackedWeight | SiblingGroup | N
             continue
         packed = decisions[site.name]
         if isinstance(packed, SiblingGroup):
-            if site is packed.members[0]:
+            if not all(member.name in nodes for member in packed.members):
+                _call_shared(gm, node, packed)
+            elif site is packed.members[0]:
                 _call_group_op(gm, [nodes[member.name] for member in packed.members], packed)
         elif packed is None:
             if site.quantized:
@@ -75,26 +82,66 @@ def _call_packed_op(gm: fx.GraphModule, node: fx.Node, name: str, packed: Packed
 
 def _call_group_op(gm: fx.GraphModule, nodes: list[fx.Node], group: SiblingGroup) -> None:
     """One call of the group's op where its first member was, split into the members' outputs."""
-    packed = group.packed
     with gm.graph.inserting_before(nodes[0]):
-        arrays = _packed_inputs(gm, group.name, {**packed.tensors(), "bias": group.bias()})
-        *tensors, bias = arrays
-        op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
-        shared = gm.graph.call_function(op, (nodes[0].args[0], *tensors, *packed.scalars().values(), bias,
-                                             group.activation.value, False, False, *getattr(packed, "extra_args", ())))
-        # an op that gives the members' outputs itself (one call's split, or each member's own weight)
-        parts = shared if getattr(packed, "returns_parts", False) else \
-            gm.graph.call_function(torch.split, (shared, group.sizes, -1))
-        for index, (node, member) in enumerate(zip(nodes, group.members)):
-            output = gm.graph.call_function(operator.getitem, (parts, index))
-            if member.activation != group.activation:
-                output = gm.graph.call_function(apply_activation, (output, member.activation.value))
-            node.replace_all_uses_with(output)
-            _reshape_not_view(output)
-    for node in nodes:
-        inputs = node.all_input_nodes
-        gm.graph.erase_node(node)
-        erase_dead_inputs(gm.graph, inputs)
+        outputs = [_own_activation(gm, output, member, group)
+                   for member, output in zip(group.members, _group_outputs(gm, nodes[0].args[0], group))]
+    for node, output in zip(nodes, outputs):
+        _replace(gm, node, output)
+
+
+def _call_shared(gm: fx.GraphModule, node: fx.Node, group: SiblingGroup) -> None:
+    """A member of a group whose members sit in different graphs: a call of the group's
+    :class:`SharedCall` (one module, shared by the members' graphs) for its own output."""
+    if group.shared is None:
+        group.shared = SharedCall(_group_module(group), len(group.members))
+    member = node.meta[SITE_KEY]
+    index = [m.name for m in group.members].index(member.name)
+    held = [name for name, _ in gm.named_children() if name.startswith(SHARED_PREFIX)]
+    name = next((name for name in held if getattr(gm, name) is group.shared), f"{SHARED_PREFIX}{len(held)}")
+    if name not in held:
+        gm.add_module(name, group.shared)
+    with gm.graph.inserting_before(node):
+        output = _own_activation(gm, gm.graph.call_module(name, (node.args[0], index)), member, group)
+    _replace(gm, node, output)
+
+
+def _group_module(group: SiblingGroup) -> fx.GraphModule:
+    """x -> the group's members' outputs (a tuple), from one call of its op."""
+    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    x = gm.graph.placeholder("x")
+    gm.graph.output(tuple(_group_outputs(gm, x, group)))
+    gm.recompile()
+    return gm
+
+
+def _group_outputs(gm: fx.GraphModule, x: fx.Node, group: SiblingGroup) -> list[fx.Node]:
+    """Nodes (added at the insertion point) computing the group's op on ``x`` and each member's
+    part of its output, in the members' order."""
+    packed = group.packed
+    *tensors, bias = _packed_inputs(gm, group.name, {**packed.tensors(), "bias": group.bias()})
+    op = getattr(packed, "op", None) or OP_FOR_KIND[packed.spec.kind]
+    shared = gm.graph.call_function(op, (x, *tensors, *packed.scalars().values(), bias, group.activation.value,
+                                         False, False, *getattr(packed, "extra_args", ())))
+    # an op that gives the members' outputs itself (one call's split, or each member's own weight)
+    parts = shared if getattr(packed, "returns_parts", False) else \
+        gm.graph.call_function(torch.split, (shared, group.sizes, -1))
+    return [gm.graph.call_function(operator.getitem, (parts, index)) for index in range(len(group.members))]
+
+
+def _own_activation(gm: fx.GraphModule, output: fx.Node, member, group: SiblingGroup) -> fx.Node:
+    """``output`` with the member's own activation where the group's call applies another."""
+    if member.activation == group.activation:
+        return output
+    return gm.graph.call_function(apply_activation, (output, member.activation.value))
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, output: fx.Node) -> None:
+    """``output`` takes the site node's place; the node and what only it read go."""
+    node.replace_all_uses_with(output)
+    _reshape_not_view(output)
+    inputs = node.all_input_nodes
+    gm.graph.erase_node(node)
+    erase_dead_inputs(gm.graph, inputs)
 
 
 def _reshape_not_view(output: fx.Node) -> None:

@@ -24,6 +24,7 @@ from .frontend import sharded, tracing
 from .ir.analysis import WeightStats, analyze
 from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
+from .ir.mutation import writes_before
 from .ir.numerics import relative_error
 from .ir.plan import ABOVE_DENSE, Candidate, Plan, SitePlan
 from .ir.site import LinearSite
@@ -217,7 +218,7 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
         if conv_as_linear.run(part.gm).changed:
             tracing.propagate_shapes(part)            # the new nodes' shapes (each site's M)
             converted.add(part.path)
-        sites += find_linear.run(part.gm, prefix=part.path).sites
+        sites += _with_inputs_seen(find_linear.run(part.gm, prefix=part.path).sites, part)
         fuse_epilogue.run(part.gm)
     stats = analyze_sites(sites, allowed)
     m_range = check_m_range(m_range)
@@ -242,6 +243,19 @@ def _prepare(model, example_inputs, formats, device, cost_model, given_plan, m_r
                                                                   *(allowed or ())])
     mark_groups(sites, stats, the_plan, model_cost)
     return _Prepared(model, args, kwargs, traced, sites, stats, the_plan, model_cost, converted)
+
+
+def _with_inputs_seen(sites: list[LinearSite], part: tracing.TracedPart) -> list[LinearSite]:
+    """``sites``, each that reads its graph's input knowing which tensor the example run gave it
+    (``LinearSite.reads``): a module that does not trace whole leaves its layers one graph each,
+    and those called on one tensor can still share a call."""
+    placeholders = [node for node in part.gm.graph.nodes if node.op == "placeholder"]
+    names = dict(zip(placeholders, part.arguments))
+    writes = writes_before(part.gm.graph)
+    for site in sites:       # (a write in place before the site in its graph: the call's tensor changed)
+        if site.x in names and names[site.x] in part.seen and not writes[site.anchor]:
+            site.reads = part.seen[names[site.x]]
+    return sites
 
 
 def generates(model: nn.Module) -> bool:

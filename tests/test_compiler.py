@@ -262,7 +262,7 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     plan = compiled.sparsecc_plan
     pair = "layers.0.mlp.gate_proj.weight+layers.0.mlp.up_proj.weight"
     assert plan["layers.0.mlp.gate_proj"].group == plan["layers.0.mlp.up_proj"].group == pair
-    assert plan["layers.0.mlp.down_proj"].group is None and plan["layers.0.self_attn.q_proj"].group is None
+    assert plan["layers.0.mlp.down_proj"].group is None and plan["layers.0.self_attn.o_proj"].group is None
     assert "gate_proj: 2:4 -- " in plan.table() and "computed in one call with layers.0.mlp.up_proj.weight" in plan.table()
     assert sparsecc.plan(model, ids, formats=("2:4",))["layers.0.mlp.up_proj"].group == pair    # planned so
     targets = [str(n.target) for n in compiled.layers[0].mlp.graph.nodes if n.op == "call_function"]
@@ -275,15 +275,67 @@ def test_an_mlps_gate_and_up_share_one_call(gen):
     from sparsecc.compiler import _prepare, sibling_groups
     prepared = _prepare(model, ids, ("2:4",), None, None, given_plan=None)
     groups = sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
-    assert len(groups) == 2 and all(len(group.members) == 2 for group in groups)        # each layer's MLP
+    assert sorted(len(group.members) for group in groups) == [2, 2, 3, 3]    # each layer's MLP and attention
     for site in prepared.plan:
         site.above = "dense"
     assert sibling_groups(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model) == []
 
 
+class Untraceable(nn.Module):
+    """An attention-like module sparsecc does not trace whole (its forward takes ``**kwargs``, as a
+    Hugging Face attention's does), so each of its layers is a graph of its own: q, k and v read x; a and b read a copy of x that is written in
+    place between their calls. 2:4 weights."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16, bias=False), nn.Linear(32, 16)
+        self.a, self.b = nn.Linear(32, 16), nn.Linear(32, 16)
+        with torch.no_grad():
+            for layer in (self.q, self.k, self.v, self.a, self.b):
+                layer.weight.copy_(n_m(*layer.weight.shape, 2, 4, gen))
+
+    def forward(self, x, **kwargs):
+        y = x * 1.0
+        a = self.a(y)
+        y.mul_(2.0)
+        attention = torch.relu(self.q(x))[..., :16] * self.k(x) + self.v(x)
+        return torch.cat([attention, a * self.b(y)], -1)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_siblings_share_a_call_across_graphs_but_not_across_a_write_in_place(whole, gen):
+    """q, k and v read one tensor and run as one call: in one graph where the module traces whole
+    (inside a Sequential), else (one graph per layer) through one SharedCall their graphs hold, and
+    so under torch.compile too. a and b, between whose calls their input is written in place, run
+    alone either way. The compiled model matches the model at other shapes, eagerly and compiled."""
+    from sparsecc.runtime.shared_call import SharedCall
+    model = (nn.Sequential(Untraceable(gen)) if whole else Untraceable(gen)).eval()
+    prefix = "0." if whole else ""
+    x = torch.randn(4, 32, generator=gen)
+    compiled = sparsecc.compile(model, x, formats=("2:4",))
+    plan = compiled.sparsecc_plan
+    qkv = "+".join(f"{prefix}{name}.weight" for name in "qkv")
+    assert [plan[f"{prefix}{name}"].group for name in "qkvab"] == [qkv, qkv, qkv, None, None]
+    assert len({id(m) for m in compiled.modules() if isinstance(m, SharedCall)}) == (0 if whole else 1)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dynamo = torch.compile(compiled, backend=backend)
+    with torch.no_grad():
+        for shape in [(4, 32), (3, 5, 32), (4, 32)]:
+            other = torch.randn(*shape, generator=gen)
+            assert_rel_close(compiled(other), model(other), torch.float32, factor=10)
+            assert_rel_close(dynamo(other), model(other), torch.float32, factor=10)
+    products = [n for gm in graphs for n in gm.graph.nodes if "linear_nm" in str(n.target)]
+    assert len(graphs) == 2 and len(products) == 2 * 3        # per shape: q+k+v, a, b
+
+
 def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps_that_tier(monkeypatch):
-    """Gate and up planned to run their large batches on their dense weights (on a GPU, as kernels
-    would pack them) share a call only where the stacked weight has a small-batch tier too: then
+    """Siblings (gate and up; q, k and v) planned to run their large batches on their dense weights
+    (on a GPU, as kernels would pack them) share a call only where the stacked weight has a small-batch tier too: then
     one small-batch call, and above it each member's own weight, the model's. Where the tables
     give the stacked weight none, or its packing turns out otherwise, each runs alone and the plan
     names no group."""
@@ -308,7 +360,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
     ready = prepared(None)
     assert all(site.group is None for site in ready.plan)
     ready = prepared((MMA.unit, 8))
-    assert sum(site.group is not None for site in ready.plan) == 4          # gate and up, two layers
+    assert sum(site.group is not None for site in ready.plan) == 10   # gate and up; q, k and v; two layers
     monkeypatch.setattr(compiler, "_pack_one", lambda site, choice, on_kernel, entry: pack(site.weight, choice))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
     assert not any(isinstance(d, SiblingGroup) for d in decisions.values())
@@ -318,7 +370,7 @@ def test_siblings_run_dense_above_together_only_where_their_stacked_weight_keeps
     ready = prepared((MMA.unit, 8))
     decisions = compiler.pack_sites(ready.sites, ready.stats, ready.plan, ready.cost_model)
     groups = {id(d): d for d in decisions.values() if isinstance(d, SiblingGroup)}.values()
-    assert len(groups) == 2 and sum(site.group is not None for site in ready.plan) == 4
+    assert len(groups) == 4 and sum(site.group is not None for site in ready.plan) == 10
     for group in groups:
         assert isinstance(group.packed, GroupByRowsWeight)
         assert [w.data_ptr() for w in group.packed.dense] == [m.weight.data_ptr() for m in group.members]

@@ -25,8 +25,8 @@ BUILD = {"llama": llama_lm, "gpt2": gpt2_lm, "qwen2": qwen2_lm, "mistral": mistr
 #: the linear layers of one block: Llama (Qwen2, Mistral) q, k, v, o, gate, up, down; GPT-2 c_attn,
 #: c_proj, c_fc, c_proj
 BLOCK_SITES = {"llama": 7, "gpt2": 4, "qwen2": 7, "mistral": 7}
-#: the sparse ops one block calls: gate and up read the same input and share one call
-BLOCK_CALLS = {"llama": 6, "gpt2": 4, "qwen2": 6, "mistral": 6}
+#: the sparse ops one block calls: q, k and v read the same input and share one call, as do gate and up
+BLOCK_CALLS = {"llama": 4, "gpt2": 4, "qwen2": 4, "mistral": 4}
 LAYERS = 2
 #: pruning pattern -> the formats compile is restricted to
 PATTERNS = {"2:4": ("2:4",), "unstructured@0.3": ("csr",)}

@@ -50,6 +50,10 @@ class TracedPart:
     constants: dict[str, Any]
     #: the LocalShard whose local linear this part is (it goes in there, not at ``path``)
     holder: LocalShard | None = None
+    #: each tensor argument of that call as (id, version) when the module was called: parts
+    #: called on one tensor, unchanged in between (an attention's q, k and v projections, which
+    #: trace one by one where the attention does not), can share a call (sparsecc.ir.siblings)
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def module(self) -> nn.Module:
         """What replaces the original module in the compiled model."""
@@ -125,10 +129,14 @@ def trace(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
 
 
 def _run_recording_inputs(model: nn.Module, args: tuple, kwargs: dict):
-    calls: dict[int, tuple[tuple, dict]] = {}
+    """The model's output on the example inputs, and each module's first call: its arguments and
+    each tensor argument's version at that moment (by id)."""
+    calls: dict[int, tuple[tuple, dict, dict[int, int]]] = {}
 
     def record(module, module_args, module_kwargs):
-        calls.setdefault(id(module), (module_args, module_kwargs))
+        if id(module) not in calls:
+            tensors = [v for v in (*module_args, *module_kwargs.values()) if isinstance(v, torch.Tensor)]
+            calls[id(module)] = (module_args, module_kwargs, {id(t): t._version for t in tensors})
 
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in model.modules()]
     try:
@@ -171,7 +179,7 @@ def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced,
     if isinstance(module, LocalShard):      # its local linear is the part, named as the layer
         _trace_module(module.local, path, calls, traced, holder=module)
         return
-    arguments = _bind(module, *calls[id(module)]) if id(module) in calls else None
+    arguments = _bind(module, *calls[id(module)][:2]) if id(module) in calls else None
     try:
         if id(module) not in calls:
             raise TypeError("it is not called by the example run (a container, or unused)")
@@ -188,7 +196,9 @@ def _trace_module(module: nn.Module, path: str, calls: dict, traced: Traced,
         for name, child in module.named_children():
             _trace_module(child, f"{path}.{name}" if path else name, calls, traced)
         return
-    traced.parts.append(TracedPart(path, gm, module, arguments, constants, holder))
+    versions = calls[id(module)][2]
+    seen = {name: (id(value), versions[id(value)]) for name, value in arguments.items() if id(value) in versions}
+    traced.parts.append(TracedPart(path, gm, module, arguments, constants, holder, seen))
     _report_opaque_calls(gm, path, traced)
     for inner, shard in module.named_modules():
         if isinstance(shard, LocalShard) and shard is not module and shard is not holder:

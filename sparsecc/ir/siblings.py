@@ -10,6 +10,10 @@ site's output and a split gives each its own, a view of the shared output. Each 
 the same sum as before, of the same products (only a tuning choice such as a split of K may differ
 for the larger shape, as it may for any shape).
 
+Sites of different graphs share a call too where they are known to read one tensor: the layers of a
+module that does not trace whole (a Hugging Face attention) are traced one graph each, and the example
+run tells which were called on the same tensor, unchanged in between (``LinearSite.reads``).
+
 The shared kernel applies the members' activation where they all have the same one; otherwise none,
 and each member's own activation follows its split (Inductor fuses it into the consumer; an MLP's
 ``silu(gate) * up`` is one such consumer). A member without a bias gets zeros in the stacked bias.
@@ -19,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
 from .analysis import WeightStats
 from .epilogue import Activation
 from .formats import FormatSpec
+from .mutation import writes_before
 from .site import LinearSite
 
 
@@ -34,6 +40,8 @@ class SiblingGroup:
     choice: FormatSpec
     stats: WeightStats                   # of the stacked weight
     packed: object = None                # the stacked weight packed (compiler.pack_sites)
+    #: where the members sit in different graphs: the module their graphs share (passes.splice)
+    shared: object = None
 
     @property
     def name(self) -> str:
@@ -71,7 +79,8 @@ class SiblingGroup:
 
 
 def find(sites: list[LinearSite], choices: dict[str, tuple], stats: dict[str, WeightStats]) -> list[SiblingGroup]:
-    """The groups of two or more ``sites`` that can share a call: the same input node, the same
+    """The groups of two or more ``sites`` that can share a call: the same input (no write in
+    place between them), the same
     sparse format and what else the packed weight is chosen for (``choices``: site name -> a
     tuple starting with its FormatSpec, e.g. with its batch range), the same weight dtype, device
     and K, neither transposed nor quantized, each weight a different tensor, and the stacked
@@ -91,15 +100,20 @@ def readers(sites: list[LinearSite]) -> list[list[LinearSite]]:
 
 
 def _sharing(sites: list[LinearSite], choice_of) -> list[list[LinearSite]]:
-    """``sites`` by their input node, ``choice_of(site)`` (None: the site takes no part), weight
-    dtype, device and K, leaving out transposed and quantized sites: the sets of two or more
-    distinct weights."""
+    """``sites`` by their input (with no write in place between them), ``choice_of(site)`` (None:
+    the site takes no part), weight dtype, device and K, leaving out transposed and quantized
+    sites: the sets of two or more distinct weights."""
     by_key: dict[tuple, list[LinearSite]] = {}
+    writes: dict[fx.Graph, dict[fx.Node, int]] = {}
     for site in sites:
         choice = choice_of(site)
         if choice is None or site.quantized or site.x_transposed or site.transpose_out:
             continue
-        key = (site.x, *choice, site.weight.dtype, site.weight.device, site.in_features, site.input_dtype)
+        graph = site.anchor.graph
+        if graph not in writes:
+            writes[graph] = writes_before(graph)
+        # sites on either side of a write in place do not read the same values
+        key = (site.input_key, writes[graph][site.anchor], *choice, site.weight.dtype, site.weight.device, site.in_features, site.input_dtype)
         by_key.setdefault(key, []).append(site)
     return [members for members in map(_distinct_weights, by_key.values()) if len(members) >= 2]
 

@@ -42,6 +42,10 @@ class LinearSite:
     quantized: bool = False           # an FP8 site: W is e4m3, the scales follow
     weight_scale_node: fx.Node | None = None   # [N] fp32 per-channel scales
     input_scale_node: fx.Node | None = None    # a static input scale (None: per token)
+    #: where ``x`` is its graph's input: the tensor the example run called the graph with, as
+    #: (id, version), so that sites of different graphs called on one tensor are known to read
+    #: the same input (sparsecc.ir.siblings); None: ``x`` says what it reads
+    reads: tuple[int, int] | None = None
 
     @property
     def out_features(self) -> int:
@@ -54,6 +58,11 @@ class LinearSite:
     @property
     def epilogue(self) -> Epilogue:
         return Epilogue(self.bias is not None, self.activation, self.transpose_out)
+
+    @property
+    def input_key(self) -> object:
+        """What this site reads, comparable across graphs where it is a graph's input (``reads``)."""
+        return self.x if self.reads is None else self.reads
 
     @property
     def m(self) -> int | None:

@@ -1,0 +1,49 @@
+"""One call for sibling layers that sit in different graphs.
+
+Where a module does not trace whole (a Hugging Face attention: its cache and keyword arguments),
+its layers are traced one graph each, and an attention's q, k and v projections are three graphs
+called one after the other on the same tensor. A :class:`SharedCall` lets them share one call
+anyway: the first member called computes every member's output on the stacked weight and keeps
+the others' for them; each later member called on that same tensor, unchanged since, takes its
+own. A member called on another tensor, or on the same one written in place in between, or twice,
+computes again: a kept output is only ever handed out for the input it was computed from. Once
+every member has taken its output nothing is kept, so between model calls the module holds no
+activation (unless a member was skipped: then until the next call).
+
+Under ``torch.compile`` Dynamo traces this logic into the model's graph (one call, the others'
+outputs passed along); a tensor's version cannot be read there, so a tensor written in place
+between two members' calls is not noticed inside a compiled graph. The example run at compile
+checked that the model does not do so (``sparsecc.frontend.tracing``: each call's versions).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class SharedCall(nn.Module):
+    """The members' outputs from one call of ``compute`` (x -> a tuple, a member's output each)."""
+
+    def __init__(self, compute: nn.Module, members: int):
+        super().__init__()
+        self.compute = compute
+        self.members = members
+        #: (x, x's version or None, the members still to take theirs, the outputs), or None
+        self._kept = None
+
+    def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        kept = self._kept
+        if kept is not None and kept[0] is x and index in kept[2] and (compiling or kept[1] == x._version):
+            left = tuple(i for i in kept[2] if i != index)
+            self._kept = (x, kept[1], left, kept[3]) if left else None
+            return kept[3][index]
+        outputs = self.compute(x)
+        left = tuple(i for i in range(self.members) if i != index)
+        self._kept = (x, None if compiling else x._version, left, outputs) if left else None
+        return outputs[index]
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_kept"] = None           # an activation is no part of a saved module
+        return state

@@ -21,6 +21,19 @@ import torch
 import torch.nn as nn
 
 
+class _Kept:
+    """What a SharedCall keeps between its members' calls: ``value`` is (x, x's version or None,
+    the members still to take theirs, the outputs), or None. A plain object, so that a call
+    changes no attribute of the module (under torch.compile, each module attribute written is
+    more for Dynamo to check before every call)."""
+
+    def __init__(self):
+        self.value = None
+
+    def __getstate__(self):
+        return {"value": None}          # an activation is no part of a saved module
+
+
 class SharedCall(nn.Module):
     """The members' outputs from one call of ``compute`` (x -> a tuple, a member's output each)."""
 
@@ -28,22 +41,16 @@ class SharedCall(nn.Module):
         super().__init__()
         self.compute = compute
         self.members = members
-        #: (x, x's version or None, the members still to take theirs, the outputs), or None
-        self._kept = None
+        self.kept = _Kept()
 
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
         compiling = torch.compiler.is_compiling()
-        kept = self._kept
+        kept = self.kept.value
         if kept is not None and kept[0] is x and index in kept[2] and (compiling or kept[1] == x._version):
             left = tuple(i for i in kept[2] if i != index)
-            self._kept = (x, kept[1], left, kept[3]) if left else None
+            self.kept.value = (x, kept[1], left, kept[3]) if left else None
             return kept[3][index]
         outputs = self.compute(x)
         left = tuple(i for i in range(self.members) if i != index)
-        self._kept = (x, None if compiling else x._version, left, outputs) if left else None
+        self.kept.value = (x, None if compiling else x._version, left, outputs) if left else None
         return outputs[index]
-
-    def __getstate__(self):
-        state = super().__getstate__().copy()
-        state["_kept"] = None           # an activation is no part of a saved module
-        return state

@@ -37,7 +37,7 @@ def test_members_called_on_one_tensor_take_their_outputs_from_one_call(gen):
     call, weight = shared(gen)
     x = torch.randn(3, 8, generator=gen, dtype=torch.float64)
     outputs = [call(x, index) for index in (1, 0, 2)]          # any order
-    assert call.compute.calls == 1 and call._kept is None     # nothing kept once all took theirs
+    assert call.compute.calls == 1 and call.kept.value is None     # nothing kept once all took theirs
     for index, output in zip((1, 0, 2), outputs):
         torch.testing.assert_close(output, expected(weight, x)[index], rtol=0, atol=0)
 
@@ -83,15 +83,15 @@ def test_under_torch_compile_the_members_share_one_call_in_one_graph(gen):
         torch.testing.assert_close(compiled(x), want[0] + want[1] * want[2])
     [graph] = graphs
     products = [n for n in graph.graph.nodes if n.op == "call_function" and "matmul" in str(n.target)]
-    assert len(products) == 1 and call._kept is None
+    assert len(products) == 1 and call.kept.value is None
 
 
 def test_a_saved_module_keeps_no_activation(gen, tmp_path):
     call, weight = shared(gen)
     x = torch.randn(3, 8, generator=gen, dtype=torch.float64)
     call(x, 0)
-    assert call._kept is not None
+    assert call.kept.value is not None
     torch.save(call, tmp_path / "call.pt")
     loaded = torch.load(tmp_path / "call.pt", weights_only=False)
-    assert loaded._kept is None
+    assert loaded.kept.value is None
     torch.testing.assert_close(loaded(x, 2), expected(weight, x)[2])

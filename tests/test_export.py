@@ -7,7 +7,7 @@ import torch.nn as nn
 import sparsecc
 
 from conftest import assert_rel_close
-from models import bert, sparsify_24
+from models import bert, llama, sparsify_24
 
 
 @pytest.mark.parametrize("formats", [("2:4",), ("csr",)])
@@ -38,3 +38,29 @@ def test_exported_bert_matches_eager():
     fresh = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
         assert_rel_close(program.module()(fresh)[0], model(fresh)[0].double(), torch.float32)
+
+
+def test_exported_llama_keeps_one_call_per_group_of_siblings():
+    """Llama's attention does not trace whole: its q, k and v share a call across their graphs
+    (sparsecc.runtime.shared_call), and the exported program keeps that one call (with gate and
+    up's, o's and down's: four per layer)."""
+    torch.manual_seed(0)
+    model = llama()
+    sparsify_24(model)
+
+    class Hidden(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids, use_cache=False).last_hidden_state
+
+    ids = torch.randint(0, 100, (2, 8))
+    program = torch.export.export(Hidden(sparsecc.compile(model, ids, formats=("2:4",))), (ids,))
+    calls = [n for n in program.graph.nodes if "sparsecc.linear_nm" in str(n.target)]
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    fresh = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        assert_rel_close(program.module()(fresh), model(fresh, use_cache=False).last_hidden_state.double(),
+                         torch.float32)

@@ -86,6 +86,21 @@ def test_sites_reading_one_input_share_one_call_in_dynamos_graph():
     assert len(calls) == 2 * 4                   # per layer: q+k+v, o, gate+up, down
 
 
+def test_sites_on_either_side_of_a_write_in_place_to_their_input_do_not_share_a_call(gen):
+    """In Dynamo's graph ``a(y); y.mul_(2); b(y)`` reads y before and after the write: a and b
+    run alone (one call at a's place would give b the old values), while q, k and v share one."""
+    from test_compiler import Untraceable
+    model = Untraceable(gen).eval()
+    compiled = torch.compile(model, backend=make_backend(formats=("2:4",), inductor=False))
+    x = torch.randn(4, 32, generator=gen)
+    with torch.no_grad():
+        assert_rel_close(compiled(x), model(x), torch.float32, factor=10)
+    [graph] = COMPILED
+    groups = {site.name.split("_modules_")[1].split("_")[0]: site.group for site in graph.plan}
+    assert groups["a"] is None and groups["b"] is None
+    assert groups["q"] is not None and groups["q"] == groups["k"] == groups["v"]
+
+
 def test_inductor_takes_the_rest_of_the_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16)).eval()

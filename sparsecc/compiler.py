@@ -487,6 +487,9 @@ class PackedSources:
     loaded again has no model to compare with. With nothing packed there is nothing to check, and
     compile registers none (a hook costs each call, e.g. each generated token).
 
+    A weight made under ``torch.inference_mode()`` keeps no version counter: of such a weight only
+    its replacement is caught, not a change in place.
+
     Each watched weight costs two attribute reads per call (its version, its owner's parameter),
     about 0.2 us on a CPU core: 22 us for the 112 linear layers of a Llama-1B. A weight several
     sites share (a layer called twice) is watched once."""
@@ -510,7 +513,8 @@ class PackedSources:
                 owner = owner.original or owner
             tensor = getattr(owner, attribute, None)
             if isinstance(tensor, torch.Tensor):
-                self.watched.append((path, weakref.ref(owner), attribute, weakref.ref(tensor), tensor._version))
+                version = None if tensor.is_inference() else tensor._version
+                self.watched.append((path, weakref.ref(owner), attribute, weakref.ref(tensor), version))
 
     def __call__(self, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():
@@ -526,8 +530,9 @@ class PackedSources:
             live_owner, live = owner(), tensor()
             if live_owner is None or live is None:
                 continue
-            if live._version != version or (live_owner._parameters.get(attribute, live_owner) is not live
-                                            and getattr(live_owner, attribute, None) is not live):
+            replaced = (live_owner._parameters.get(attribute, live_owner) is not live
+                        and getattr(live_owner, attribute, None) is not live)
+            if replaced or (version is not None and live._version != version):
                 raise SparseccError(f"the weight {path} changed after sparsecc.compile packed it (in place, or "
                                     "replaced): the compiled module would use the old values. Compile the model "
                                     "again after changing its weights")

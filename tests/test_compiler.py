@@ -428,6 +428,29 @@ def test_a_packed_weight_changed_after_compile_is_refused_not_used(gen):
             again(x)
 
 
+def test_a_model_made_under_inference_mode_compiles_and_runs(gen):
+    """Tensors made under torch.inference_mode() keep no version counter: a model made there
+    compiles and runs (a packed weight replaced is still refused), and a model compiled outside
+    runs inside it, its q, k and v still sharing a call."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8), generator=gen)
+    with torch.inference_mode():
+        model = llama()
+        sparsify_24(model)
+        compiled = sparsecc.compile(model, ids, formats=("2:4",))
+        assert_rel_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, torch.float32, factor=10)
+        layer = model.layers[0].mlp.down_proj
+        layer.weight = nn.Parameter(layer.weight.clone())
+        with pytest.raises(sparsecc.SparseccError, match="down_proj.weight changed after sparsecc.compile"):
+            compiled(ids)
+    model = llama()
+    sparsify_24(model)
+    compiled = sparsecc.compile(model, ids, formats=("2:4",))
+    assert compiled.sparsecc_plan["layers.0.self_attn.q_proj"].group is not None
+    with torch.inference_mode():
+        assert_rel_close(compiled(ids).last_hidden_state, model(ids).last_hidden_state, torch.float32, factor=10)
+
+
 def test_a_compiled_module_runs_inference_only(gen):
     """Gradients would not reach packed weights: calling the compiled module in training mode
     with gradients on is refused with the fix; in eval mode, or under no_grad, it runs."""

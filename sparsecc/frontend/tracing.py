@@ -136,7 +136,8 @@ def _run_recording_inputs(model: nn.Module, args: tuple, kwargs: dict):
     def record(module, module_args, module_kwargs):
         if id(module) not in calls:
             tensors = [v for v in (*module_args, *module_kwargs.values()) if isinstance(v, torch.Tensor)]
-            calls[id(module)] = (module_args, module_kwargs, {id(t): t._version for t in tensors})
+            calls[id(module)] = (module_args, module_kwargs,      # (an inference tensor keeps no version)
+                                 {id(t): t._version for t in tensors if not t.is_inference()})
 
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in model.modules()]
     try:

@@ -11,9 +11,11 @@ every member has taken its output nothing is kept, so between model calls the mo
 activation (unless a member was skipped: then until the next call).
 
 Under ``torch.compile`` Dynamo traces this logic into the model's graph (one call, the others'
-outputs passed along); a tensor's version cannot be read there, so a tensor written in place
-between two members' calls is not noticed inside a compiled graph. The example run at compile
-checked that the model does not do so (``sparsecc.frontend.tracing``: each call's versions).
+outputs passed along). A tensor's version cannot be read there, nor for a tensor made under
+``torch.inference_mode()``, so there a tensor written in place between two members' calls is not
+noticed. The example run at compile checked that the model does not do so
+(``sparsecc.frontend.tracing``: each call's versions; a part called on an inference tensor is
+not grouped with others).
 """
 from __future__ import annotations
 
@@ -44,13 +46,21 @@ class SharedCall(nn.Module):
         self.kept = _Kept()
 
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
+        version = _version(x)
         kept = self.kept.value
-        if kept is not None and kept[0] is x and index in kept[2] and (compiling or kept[1] == x._version):
+        if kept is not None and kept[0] is x and index in kept[2] and kept[1] == version:
             left = tuple(i for i in kept[2] if i != index)
-            self.kept.value = (x, kept[1], left, kept[3]) if left else None
+            self.kept.value = (x, version, left, kept[3]) if left else None
             return kept[3][index]
         outputs = self.compute(x)
         left = tuple(i for i in range(self.members) if i != index)
-        self.kept.value = (x, None if compiling else x._version, left, outputs) if left else None
+        self.kept.value = (x, version, left, outputs) if left else None
         return outputs[index]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's version counter, or None where it cannot be read: inside a graph Dynamo traces, and
+    for a tensor made under ``torch.inference_mode()``, which keeps none."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    return x._version

@@ -95,3 +95,17 @@ def test_a_saved_module_keeps_no_activation(gen, tmp_path):
     loaded = torch.load(tmp_path / "call.pt", weights_only=False)
     assert loaded.kept.value is None
     torch.testing.assert_close(loaded(x, 2), expected(weight, x)[2])
+
+
+def test_under_inference_mode_members_share_by_identity(gen):
+    """A tensor made under torch.inference_mode() keeps no version: the members called on it share
+    one call all the same, and another tensor still computes again."""
+    call, weight = shared(gen)
+    with torch.inference_mode():
+        x = torch.randn(3, 8, generator=gen, dtype=torch.float64)
+        outputs = [call(x, index) for index in range(3)]
+        y = x + 1
+        torch.testing.assert_close(call(y, 0), expected(weight, y)[0])
+    assert call.compute.calls == 2
+    for index, output in enumerate(outputs):
+        torch.testing.assert_close(output, expected(weight, x)[index])

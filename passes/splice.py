@@ -15,8 +15,9 @@ of their format's op on the stacked weight, placed where the first of them was, 
 ``torch.split`` shares out (each member's own activation after its split where the kernel applies
 none), or, where the members sit in different graphs (the layers of a module that did not trace
 whole), a call of one :class:`~sparsecc.runtime.shared_call.SharedCall` that all their graphs
-hold, each for its own output; weights and modules nothing reads any more are dropped from the graph module (modules it
-shares with the original model are never modified: see :func:`_drop_unused`).
+hold, each for its own output; weights and modules nothing reads any more are dropped from the
+graph module (modules it shares with the original model are never modified: see
+:func:`_drop_unused`).
 """
 from __future__ import annotations
 

@@ -80,11 +80,10 @@ class SiblingGroup:
 
 def find(sites: list[LinearSite], choices: dict[str, tuple], stats: dict[str, WeightStats]) -> list[SiblingGroup]:
     """The groups of two or more ``sites`` that can share a call: the same input (no write in
-    place between them), the same
-    sparse format and what else the packed weight is chosen for (``choices``: site name -> a
-    tuple starting with its FormatSpec, e.g. with its batch range), the same weight dtype, device
-    and K, neither transposed nor quantized, each weight a different tensor, and the stacked
-    weight fitting the format (its statistics, from the members' ``stats``)."""
+    place between them), the same sparse format and what else the packed weight is chosen for
+    (``choices``: site name -> a tuple starting with its FormatSpec, e.g. with its batch range),
+    the same weight dtype, device and K, neither transposed nor quantized, each weight a different
+    tensor, and the stacked weight fitting the format (its statistics, from the members' ``stats``)."""
     groups = []
     for members in _sharing(sites, lambda site: None if choices[site.name][0].kind == "dense" else choices[site.name]):
         group = SiblingGroup(members, choices[members[0].name][0], stacked([stats[m.name] for m in members]))
@@ -113,7 +112,8 @@ def _sharing(sites: list[LinearSite], choice_of) -> list[list[LinearSite]]:
         if graph not in writes:
             writes[graph] = writes_before(graph)
         # sites on either side of a write in place do not read the same values
-        key = (site.input_key, writes[graph][site.anchor], *choice, site.weight.dtype, site.weight.device, site.in_features, site.input_dtype)
+        key = (site.input_key, writes[graph][site.anchor], *choice, site.weight.dtype, site.weight.device,
+               site.in_features, site.input_dtype)
         by_key.setdefault(key, []).append(site)
     return [members for members in map(_distinct_weights, by_key.values()) if len(members) >= 2]
 

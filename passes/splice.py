@@ -4,7 +4,9 @@ Requires: fuse_epilogue ran (each site is one ``sparsecc::linear_dense`` node ca
 :class:`~sparsecc.site.LinearSite`), and a decision per site name: a packed weight
 (:class:`~sparsecc.formats.PackedWeight`) or ``None`` for "stays dense".
 Ensures: a packed site is one call of its format's custom op, its packed tensors
-registered as buffers of the submodule ``sparsecc_packed`` and read with ``get_attr``; a
+registered as buffers of the graph module named ``sparsecc_packed_<site>__<field>`` (not of a
+submodule: each module level is a few more guards Dynamo checks on every call of a compiled
+model) and read with ``get_attr``; a
 dense site is plain torch ops (:func:`sparsecc.ops.linear_torch`), which Inductor fuses
 and eager runs without dispatch overhead; a quantized site that stays dense calls
 ``sparsecc::linear_fp8_scaled_mm`` where ``torch._scaled_mm`` takes its weight on its device
@@ -38,7 +40,8 @@ from sparsecc.ir.site import SITE_KEY
 from . import PassResult
 from .fuse_epilogue import erase_dead_inputs
 
-PACKED_MODULE = "sparsecc_packed"
+#: the names of the packed tensors a graph module holds: sparsecc_packed_<site>__<field>
+PACKED_PREFIX = "sparsecc_packed_"
 #: a graph's submodules that compute groups whose members sit in different graphs: _0, _1, ...
 SHARED_PREFIX = "sparsecc_shared_"
 
@@ -158,17 +161,14 @@ def _reshape_not_view(output: fx.Node) -> None:
 
 
 def _packed_inputs(gm: fx.GraphModule, name: str, tensors: dict) -> list:
-    """Register ``tensors`` (field -> tensor, list of tensors, or None) as buffers of the
-    packed-weights submodule, and read each with a ``get_attr`` node (a list of them for a list;
+    """Register ``tensors`` (field -> tensor, list of tensors, or None) as buffers of ``gm``
+    (see :data:`PACKED_PREFIX`), and read each with a ``get_attr`` node (a list of them for a list;
     None where the format leaves an optional array out: the op takes None)."""
-    if not hasattr(gm, PACKED_MODULE):
-        gm.add_module(PACKED_MODULE, nn.Module())
-    holder = getattr(gm, PACKED_MODULE)
-    prefix = re.sub(r"[^0-9A-Za-z_]", "_", name)
+    prefix = PACKED_PREFIX + re.sub(r"[^0-9A-Za-z_]", "_", name)
 
     def read(field: str, tensor: torch.Tensor) -> fx.Node:
-        holder.register_buffer(f"{prefix}__{field}", tensor)
-        return gm.graph.get_attr(f"{PACKED_MODULE}.{prefix}__{field}")
+        gm.register_buffer(f"{prefix}__{field}", tensor)
+        return gm.graph.get_attr(f"{prefix}__{field}")
 
     nodes: list = []
     for field, tensor in tensors.items():

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from .config import settings
 from .errors import InputError, KernelBuildError, PlanError, SparseccError
 from .frontend import sharded, tracing
+from .frontend.shared_globals import share_globals
 from .ir.analysis import WeightStats, analyze
 from .ir import siblings
 from .ir.formats import NM_2_4, FormatSpec, pack
@@ -34,6 +35,7 @@ from .planner import check, shared
 from .planner.cost import DEFAULT_M, QUANTIZED_KINDS, CostModel, check_m_range
 from .planner.groups import price_together
 from .runtime.kernel_dir import use_kernels
+from .runtime.shared_call import SharedCall
 
 log = logging.getLogger("sparsecc")
 
@@ -118,16 +120,18 @@ def compile(model: nn.Module, example_inputs, *, formats=None, plan: Plan | str 
                         m_range=m_range, objective=objective)
     decisions = pack_sites(prepared.sites, prepared.stats, prepared.plan, prepared.cost_model)
     prepared.plan.tuning = tune.log_since(tuned_before)
-    replaced = {}
+    replaced, spliced = {}, []
     for part in prepared.traced.parts:
         sites = [s for s in prepared.sites if s.module_path == part.path]
         if not sites or _computes_as_written(part, sites, decisions, prepared.converted):
             continue
         splice.run(part.gm, {s.name: decisions[s.name] for s in sites})
+        spliced += [part.gm, *(m.compute for m in part.gm.modules() if isinstance(m, SharedCall))]
         if part.holder is not None:          # a tensor-parallel layer's local shard
             part.holder.local = part.module()
         else:
             replaced[part.path] = part.module()
+    share_globals(dict.fromkeys(spliced))          # a shared call's module is in several parts
     compiled = tracing.assemble(prepared.model, replaced)
     compiled.sparsecc_plan = prepared.plan
     sources = PackedSources(prepared.model, prepared.sites, decisions)

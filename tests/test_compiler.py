@@ -317,6 +317,9 @@ def test_siblings_share_a_call_across_graphs_but_not_across_a_write_in_place(who
     qkv = "+".join(f"{prefix}{name}.weight" for name in "qkv")
     assert [plan[f"{prefix}{name}"].group for name in "qkvab"] == [qkv, qkv, qkv, None, None]
     assert len({id(m) for m in compiled.modules() if isinstance(m, SharedCall)}) == (0 if whole else 1)
+    parts = [m for m in compiled.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(parts) == (1 if whole else 6)                 # q, k, v, a, b and the shared call
+    assert len({id(type(m).forward.__globals__) for m in parts}) == 1      # one dict for Dynamo to guard
     graphs = []
 
     def backend(gm, inputs):

@@ -67,7 +67,7 @@ def test_splice_calls_the_fp8_kernel_op_with_the_sites_scales():
     call = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert call.target is linear_fp8_kernel
     values, metadata, scale, input_scale, *rest = call.args[1:]
-    assert (values.target, metadata.target) == ("sparsecc_packed.fc__values", "sparsecc_packed.fc__metadata")
+    assert (values.target, metadata.target) == ("sparsecc_packed_fc__values", "sparsecc_packed_fc__metadata")
     assert scale.target == "weight_scale" and input_scale is None
     assert rest == [16, 64, None, "relu", False, False, "0=sparsecc_x:1:1:0"]
 

@@ -39,11 +39,11 @@ def test_packed_and_dense_sites(gen):
     packed = pack(sites[0].weight, "2:4")
     result = splice.run(gm, {"a.weight": packed, "b.weight": None})
     assert result.changed
-    assert ops(gm) == [("get_attr", "a.bias"), ("get_attr", "sparsecc_packed.a_weight__values"),
-                       ("get_attr", "sparsecc_packed.a_weight__indices"), ("call_function", "linear_nm.default"),
+    assert ops(gm) == [("get_attr", "a.bias"), ("get_attr", "sparsecc_packed_a_weight__values"),
+                       ("get_attr", "sparsecc_packed_a_weight__indices"), ("call_function", "linear_nm.default"),
                        ("get_attr", "b.weight"), ("get_attr", "b.bias"), ("call_function", "linear_torch")]
     assert next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is linear_torch)
-    assert torch.equal(gm.sparsecc_packed.a_weight__values, packed.values)
+    assert torch.equal(gm.sparsecc_packed_a_weight__values, packed.values)
     assert_rel_close(gm(x), reference, torch.float32)
     # the graph module no longer reaches the dense weight of a; the model is unchanged
     assert not any(p is model.a.weight for p in gm.parameters())
@@ -89,7 +89,7 @@ def test_an_array_a_format_leaves_out_is_passed_as_none(gen):
     packed = ByRowsWeight(Sparse24GemvWeight.pack(weight).running([]), 2, None, weight)
     splice.run(gm, {"a.weight": packed})
     reads = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    assert "sparsecc_packed.a_weight__large_values" in reads
+    assert "sparsecc_packed_a_weight__large_values" in reads
     assert not any(target.endswith("large_metadata") for target in reads)
     assert_rel_close(gm(x), model(x), torch.float32)      # 3 rows: above the limit, the dense tier
 

@@ -169,11 +169,9 @@ TILES = {
     # the tensor-core small-batch kernels: (warps per block, 16-feature units of W per block,
     # 8-row tiles of x per block); the launch's splits are the blocks per cluster. Sixteen warps
     # split K within a block (partial sums meet in shared memory, not across a cluster) where a
-    # short weight leaves few blocks; one tile of x only (two would stage 64 KB of x). Four tiles
-    # of x (32 rows: W read once for all of them, not once per tile from L2) take four warps, for
-    # the same reason
+    # short weight leaves few blocks; one tile of x only (two would stage 64 KB of x)
     Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)}
-                                   | {(16, u, 1) for u in (1, 2, 4)} | {(4, u, 4) for u in (1, 2)},
+                                   | {(16, u, 1) for u in (1, 2, 4)},
     Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not

@@ -73,8 +73,10 @@ CASES = {
 }
 #: what each model runs as (see the docstring)
 IMPLS = ["eager", "inductor", "sparsecc", "inductor-graphs", "sparsecc-backend-graphs", "sparsecc-graphs"]
-#: interleaved timing rounds per model, and calls per timing (see the docstring)
-ROUNDS = 9
+#: interleaved timing rounds per model, and calls per timing (see the docstring). Where two impls
+#: run one program (a backend that kept every site dense), 9 rounds put their medians up to 1.5%
+#: apart on an H200; 21 rounds add a few seconds per model
+ROUNDS = 21
 CALLS = 10
 
 

@@ -114,16 +114,17 @@ def load(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
          progress: bool = True) -> list[Kernel]:
     """Load ``specs``, each library once per process: from a kernel directory in use if one has
     it, else from the cache, compiling what is in neither. Returns the kernels loaded by this
-    call (those loaded before are skipped)."""
+    call (those loaded before are skipped). All or nothing: where one cannot be had, none is
+    recorded as loaded, so a later call for those that can be hands them over."""
     missing = list(dict.fromkeys(s for s in specs if s.symbol not in _REGISTRY))
     if not missing:
         return []
     available = directories()
-    to_build = []
+    found, to_build = {}, []
     for spec in missing:
         directory = next((d for d in available if spec in d), None)
         if directory is not None:
-            _REGISTRY[spec.symbol] = Kernel(spec, directory.binary(spec))
+            found[spec.symbol] = Kernel(spec, directory.binary(spec))
         else:
             to_build.append(spec)
     if to_build and available:
@@ -135,7 +136,8 @@ def load(specs: Iterable[KernelSpec], *, cache: KernelCache | None = None,
                                    f"{[str(d.path) for d in available]} ({names}) and cannot be compiled "
                                    f"here: {error}") from None
     for spec, path in (build(to_build, cache=cache, progress=progress) if to_build else {}).items():
-        _REGISTRY[spec.symbol] = Kernel(spec, path)
+        found[spec.symbol] = Kernel(spec, path)
+    _REGISTRY.update(found)
     return [_REGISTRY[s.symbol] for s in missing]
 
 

@@ -68,6 +68,18 @@ def test_a_kernel_missing_from_the_directory_says_so(fake_nvcc, tmp_path, no_com
         ensure(SPECS, progress=False)
 
 
+def test_a_load_that_fails_hands_over_its_directory_kernels_later(fake_nvcc, tmp_path, no_compiler, loads):
+    """Tuning asks for many kernels at once and falls back to the shipped table's when some are
+    missing; the one it then asks for alone must still be handed to the op, not taken as loaded."""
+    out = write(SPECS[:1], tmp_path / "kernels", progress=False)
+    no_compiler()
+    kernel_dir.use_kernels(out)
+    with pytest.raises(build_module.KernelBuildError):
+        loader.load(SPECS, progress=False)
+    assert loader.find(SPECS[0].symbol) is None
+    assert loader.load(SPECS[:1], progress=False) == [out / f"{SPECS[0].symbol}.so"]
+
+
 def test_tampered_binary_is_refused(fake_nvcc, tmp_path, loads):
     out = write(SPECS, tmp_path / "kernels", progress=False)
     binary = out / f"{SPECS[1].symbol}.so"

@@ -7,7 +7,8 @@ timed faster can still make the model slower. ``torch.compile(model, backend="sp
 ``sparsecc.compile`` therefore run both programs on the example inputs (the backend: on a graph's
 first call's, after Dynamo's compile), where that is safe (:func:`can_run_again`), and keep the
 rewritten one only if it is faster by :data:`MARGIN` (:data:`HOST_BOUND_MARGIN` where the host
-sets the dense one's pace); otherwise every site runs dense and its reason in the plan says why
+sets the dense one's pace), or, where the GPU sets it, faster in each round than the dense one in
+its fastest (:func:`faster`); otherwise every site runs dense and its reason in the plan says why
 (:func:`all_dense`).
 """
 from __future__ import annotations
@@ -54,12 +55,15 @@ def can_run_again(graphs: list[fx.GraphModule], inputs: list) -> bool:
 
 
 class Raced(NamedTuple):
-    """What :func:`race` measured: microseconds per call of each program, and whether the
-    second (the dense one, in a check) is bound by the host (:data:`HOST_BOUND`)."""
+    """What :func:`race` measured: microseconds per call of each program (the median round),
+    whether the second (the dense one, in a check) is bound by the host (:data:`HOST_BOUND`), and
+    each program's rounds (microseconds per call in each)."""
 
     first_us: float
     second_us: float
     second_host_bound: bool = False
+    first_rounds: tuple[float, ...] = ()
+    second_rounds: tuple[float, ...] = ()
 
 
 def race(first: Callable[[], object], second: Callable[[], object], *, cuda: bool) -> Raced:
@@ -105,7 +109,7 @@ def _race(first: Callable[[], object], second: Callable[[], object], cuda: bool)
                 found.append(elapsed * 1e6 / CALLS)
                 shares.append(issued / elapsed)
     return Raced(statistics.median(times[0]), statistics.median(times[1]),
-                 cuda and statistics.median(issuing[1]) >= HOST_BOUND)
+                 cuda and statistics.median(issuing[1]) >= HOST_BOUND, tuple(times[0]), tuple(times[1]))
 
 
 def captured(*fns: Callable[[], object]) -> list[torch.cuda.CUDAGraph] | None:
@@ -127,8 +131,19 @@ def margin(raced: Raced) -> float:
 
 
 def faster(raced: Raced) -> bool:
-    """Whether the rewritten program (raced first) beats the dense one by its :func:`margin`."""
-    return raced.first_us <= margin(raced) * raced.second_us
+    """Whether the rewritten program (raced first) beats the dense one by its :func:`margin`, or,
+    where the dense one is not bound by the host, in every one of at least :data:`ROUNDS` rounds,
+    its slowest faster than the dense one's fastest. A margin on the whole program's time dilutes
+    a real gain of its layers by the rest of the work: BERT-large (8 x 512 tokens) captured in a CUDA
+    graph ran 25 ms a call on an H200, 7.9 eagerly, and there its 2:4 layers raced 1.4% faster,
+    under the margin, while under Inductor they ran 3.5-5% faster. Rounds that do not overlap say the gain is larger
+    than the rounds' spread (equal programs interleaved so land apart about once in 250 races);
+    the host's pace varies more from the race to later calls than within it, so a host-bound race
+    keeps asking its margin."""
+    if raced.first_us <= margin(raced) * raced.second_us:
+        return True
+    return (not raced.second_host_bound and min(len(raced.first_rounds), len(raced.second_rounds)) >= ROUNDS
+            and max(raced.first_rounds) < min(raced.second_rounds))
 
 
 def all_dense(plan: Plan, raced: Raced, what: str = "graph") -> Plan:
@@ -136,7 +151,7 @@ def all_dense(plan: Plan, raced: Raced, what: str = "graph") -> Plan:
     bound = ", bound by the host" if raced.second_host_bound else ""
     why = (f"dense: this {what} with its sparse layers ran {raced.first_us:.0f} us per call on the example inputs, "
            f"the dense one {raced.second_us:.0f} us{bound} (a rewritten {what} must be "
-           f"{1 - margin(raced):.0%} faster); ")
+           f"{1 - margin(raced):.0%} faster" + ("" if raced.second_host_bound else ", or in every round") + "); ")
     sites = [site if site.choice == "dense" else
              dataclasses.replace(site, choice="dense", reason=why + "the layer alone: " + site.reason,
                                  bytes_after=site.bytes_before, above=None)

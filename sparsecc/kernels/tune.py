@@ -188,6 +188,10 @@ def entry(template: Family, dtype: str, m: int, n: int, k: int, launch: Launch, 
 
 
 _TUNED_THIS_PROCESS: set[tuple] = set()
+#: the families whose tuning found its kernels could not be built, warned of once per process: a
+#: machine without a CUDA compiler meets it at every shape and bucket (its kernel directories'
+#: launches still run, from the shipped table)
+_UNBUILT_WARNED: set[str] = set()
 
 
 def ensure_tuned(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int], ms: Iterable[int], *,
@@ -207,8 +211,12 @@ def ensure_tuned(family: KernelFamily, dtype: torch.dtype, shape: tuple[int, int
         try:
             tune_bucket(family, dtype, shape, m, device=device, progress=progress)
         except KernelBuildError as error:
-            log.warning("tuning %s at %dx%d, M=%d: its kernels did not build (%s); using the shipped table",
-                        family.name, *shape, m, str(error).splitlines()[0])
+            first = family.name not in _UNBUILT_WARNED
+            _UNBUILT_WARNED.add(family.name)
+            log.log(logging.WARNING if first else logging.INFO,
+                    "tuning %s at %dx%d, M=%d: its kernels did not build (%s); using the shipped table%s",
+                    family.name, *shape, m, str(error).splitlines()[0],
+                    " (its other shapes and batches alike: logged at INFO)" if first else "")
 
 
 def fewest_rows(family: KernelFamily, m: int) -> int | None:

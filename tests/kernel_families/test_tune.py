@@ -19,6 +19,7 @@ from sparsecc.kernels.base import Buckets, KernelFamily, KernelWeight, Launch
 from sparsecc.kernels.dense import SMALL as DENSE_SMALL
 from sparsecc.kernels.dense import DenseGemm
 from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA, choose
+from sparsecc.errors import KernelBuildError
 from sparsecc.runtime.loader import KernelRunError
 
 DENSE = DenseGemm()
@@ -335,6 +336,22 @@ def test_nothing_is_tuned_where_the_kernels_cannot_run(monkeypatch):
     monkeypatch.setattr(tune, "tune_bucket", lambda *a, **kw: calls.append(a))
     tune.ensure_tuned(FakeFamily(), torch.float16, (64, 128), [1], device="cpu")
     assert calls == []
+
+
+def test_kernels_that_cannot_be_built_are_warned_of_once_per_family(tunable, monkeypatch, caplog):
+    """A machine without a CUDA compiler fails to build every bucket's candidates: one warning,
+    the rest at INFO, and each bucket falls back to the shipped table."""
+    def unbuildable(family, dtype, shape, m, **kw):
+        raise KernelBuildError(f"3 kernels are not in the kernel directories (M={m}): nvcc was not found")
+    monkeypatch.setattr(tune, "tune_bucket", unbuildable)
+    monkeypatch.setattr(tune, "_UNBUILT_WARNED", set())
+    with caplog.at_level(logging.INFO, logger="sparsecc"):
+        tune.ensure_tuned(FakeFamily(), torch.float16, (64, 128), [1, 16], device="cpu")
+        tune.ensure_tuned(FakeFamily(), torch.float16, (256, 128), [1], device="cpu")
+    unbuilt = [r for r in caplog.records if "did not build" in r.getMessage()]
+    assert [r.levelno for r in unbuilt] == [logging.WARNING, logging.INFO, logging.INFO]
+    assert "nvcc was not found" in unbuilt[0].getMessage() and "logged at INFO" in unbuilt[0].getMessage()
+    assert tunable.here == {}
 
 
 def test_dispatch_takes_what_was_tuned_here(tunable, monkeypatch):

@@ -2,7 +2,7 @@
 
     sparsecc plan MODEL [--prune 2:4] [--formats 2:4 csr] [--json]
     sparsecc compile MODEL --out model.pt [--prune ...] [--kernels DIR]
-    sparsecc generate (MODEL | plan.json) --arch sm_90a --out DIR
+    sparsecc generate (MODEL | plan.json) --arch sm_90a --out DIR [--tuning]
     sparsecc bench MODEL [--prune ...] [--json]
     sparsecc bench CAUSAL_LM --generate [--new-tokens N] [--cache static [--loop greedy_loop]] [--prune ...]
     sparsecc tune MODEL [--prune ...] [--m-range LO HI] [--all]
@@ -104,6 +104,8 @@ def _generate(args) -> int:
         model, inputs = _prepared(args, default_dtype=torch.float16)
         the_plan = plan_model(model, inputs, formats=args.formats or ("2:4",))
     specs = registry.plan_kernels(the_plan)
+    if specs and args.tuning:
+        specs = list(dict.fromkeys(specs + registry.tuning_kernels(the_plan)))
     if not specs:
         print("sparsecc: no site of this plan runs on a generated kernel (no sparse site of a supported "
               "shape and dtype): nothing to generate", file=sys.stderr)
@@ -314,6 +316,9 @@ def parser() -> argparse.ArgumentParser:
                      help="target architecture (Hopper: sm_90a)")
     gen.add_argument("--out", required=True, help="the directory to write")
     gen.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    gen.add_argument("--tuning", action="store_true",
+                     help="also build every launch candidate tuning times for these shapes, so that a machine "
+                          "without a CUDA compiler tunes them on its own GPU (several times the kernels)")
     gen.set_defaults(run=_generate)
     bench = commands.add_parser("bench", help="time a model eagerly and compiled by sparsecc",
                                 description="Time a model on its example inputs eagerly and compiled by sparsecc; "

@@ -237,12 +237,11 @@ def kernel_specs(spec: FormatSpec, dtype: torch.dtype, shape: tuple[int, int], d
                               for s in family.kernel_specs(dtype, shape, spec, density, m)))
 
 
-def plan_kernels(plan) -> list[KernelSpec]:
-    """Every kernel a plan's sites need (its sites' ``choice``, ``dtype``, ``shape``, ``density``
-    and ``m``, or both ends of a declared ``m_range`` where there is one: a 2:4 site planned over
-    a range may run the small-batch kernels at its low end and the GEMMs at its top), and those of
-    the stacked weight of each group of sites that share one call (``group``)."""
-    specs: list[KernelSpec] = []
+def _planned_weights(plan):
+    """Each weight a plan's kernels run, as ``(format, dtype, shape, density, rows)``: its sites'
+    (``choice``, ``dtype``, ``shape``, ``density``, and ``m`` or both ends of a declared
+    ``m_range``), and the stacked weight of each group of sites that share one call (``group``).
+    Sites of a dtype torch does not name are left out."""
     groups: dict[str, list] = {}
     for site in plan:
         if getattr(site, "group", None):
@@ -253,8 +252,38 @@ def plan_kernels(plan) -> list[KernelSpec]:
     for site, shape, density in [(site, site.shape, site.density) for site in plan] + stacked:
         dtype = getattr(torch, site.dtype, None)
         m_range = getattr(site, "m_range", None)
-        rows = [m_range[1], m_range[0]] if m_range else [site.m]
         if isinstance(dtype, torch.dtype):
-            for m in rows:
-                specs += kernel_specs(FormatSpec.parse(site.choice), dtype, tuple(shape), density, m)
+            yield FormatSpec.parse(site.choice), dtype, tuple(shape), density, (m_range or [site.m, site.m])
+
+
+def plan_kernels(plan) -> list[KernelSpec]:
+    """Every kernel a plan's sites need (:func:`_planned_weights`): at the top and the bottom of a
+    range, since a 2:4 site planned over one may run the small-batch kernels at its low end and the
+    GEMMs at its top."""
+    specs: list[KernelSpec] = []
+    for spec, dtype, shape, density, (lo, hi) in _planned_weights(plan):
+        for m in dict.fromkeys([hi, lo]):
+            specs += kernel_specs(spec, dtype, shape, density, m)
+    return list(dict.fromkeys(specs))
+
+
+def tuning_kernels(plan) -> list[KernelSpec]:
+    """The kernels tuning times for a plan's sites (``sparsecc generate --tuning``): every launch
+    candidate of each tunable family that runs them, at each batch bucket their rows meet. With
+    these in a kernel directory, a machine without a CUDA compiler tunes the model's shapes on its
+    own GPU instead of running the shipped table's launches. For 2:4 that is all three of its
+    families (:func:`~sparsecc.kernels.sparse24_small.choose` races two of them at a site's batch,
+    and a range meets all three), with the kernels each packs its weight with (2:4's compressor)."""
+    specs: list[KernelSpec] = []
+    for spec, dtype, shape, density, (lo, hi) in _planned_weights(plan):
+        if refusal(spec, shape, dtype) is not None:
+            continue
+        if spec == NM_2_4 and dtype not in FP8_DTYPES:     # packing races the three 2:4 families (choose)
+            families = [family for family in (GEMV, MMA, GEMM) if family.refuses(spec, shape, dtype) is None]
+        else:
+            families = list(dict.fromkeys(family for m in (hi, lo) for family in candidates(spec, dtype, shape, m)))
+        for family in (family for family in families if family.tunable):
+            for _, m in family.buckets.meeting(lo, hi):      # its own kernels too: packing may run one
+                specs += family.kernel_specs(dtype, shape, spec, density, m)
+                specs += [launch.spec for launch in family.candidates(dtype, shape, m)]
     return list(dict.fromkeys(specs))

@@ -9,7 +9,9 @@ import torch.nn as nn
 from sparsecc.cli import main
 from sparsecc.codegen.spec import Family, KernelSpec
 from sparsecc.ir.plan import Plan
-from sparsecc.kernels.registry import plan_kernels
+from sparsecc.ir.formats import NM_2_4
+from sparsecc.kernels.registry import plan_kernels, tuning_kernels
+from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA
 from sparsecc.pruning import prune
 from sparsecc.runtime import build as build_module
 from sparsecc.runtime import kernel_dir, loader
@@ -143,6 +145,29 @@ def test_plan_kernels_cover_every_2_4_site_the_kernels_take(rows, expected):
     assert plan_kernels(dense_only) == []
 
 
+def test_tuning_kernels_hold_every_candidate_tuning_times_for_the_plans_sites():
+    """What ``sparsecc generate --tuning`` adds: for each 2:4 site, the three 2:4 families'
+    candidates at each bucket its rows meet (packing may race any of them), and the plan's own."""
+    from sparsecc import plan
+    model, _ = _pruned_model()
+    the_plan = plan(model, torch.randn(4, 256, dtype=torch.float16), formats=("2:4",))
+    specs = set(tuning_kernels(the_plan))
+    for site in the_plan:
+        shape = tuple(site.shape)
+        for family in (GEMV, MMA, GEMM):
+            if family.refuses(NM_2_4, shape, torch.float16) is None:
+                for _, m in family.buckets.meeting(site.m, site.m):
+                    assert {launch.spec for launch in family.candidates(torch.float16, shape, m)} <= specs
+    assert KernelSpec(Family.SM90_COMPRESS24, "float16") in specs       # the GEMMs' packing runs it
+    ranged = Plan.from_json(the_plan.to_json())
+    for site in ranged:
+        site.m_range = [1, 512]
+    assert specs < set(tuning_kernels(ranged))                # more buckets
+    for site in ranged:
+        site.choice = "dense"
+    assert tuning_kernels(ranged) == []
+
+
 def test_generate_command_from_a_model_and_from_a_plan(fake_nvcc, tmp_path, capsys):
     script = tmp_path / "model.py"
     script.write_text("import sys; sys.path.insert(0, %r)\nfrom test_kernel_dir import _pruned_model\n"
@@ -159,6 +184,10 @@ def test_generate_command_from_a_model_and_from_a_plan(fake_nvcc, tmp_path, caps
     second = KernelDirectory(tmp_path / "b")
     assert {k["symbol"] for k in second.manifest["kernels"]} == symbols
     assert {k["arch"] for k in second.manifest["kernels"]} == {"sm_90a"}
+    assert main(["generate", str(tmp_path / "plan.json"), "--arch", "sm_90a", "--out", str(tmp_path / "t"),
+                 "--tuning"]) == 0
+    tuning = {k["symbol"] for k in KernelDirectory(tmp_path / "t").manifest["kernels"]}
+    assert symbols < tuning
     with pytest.raises(SystemExit):                    # sm_90a is the only architecture generated
         main(["generate", str(tmp_path / "plan.json"), "--arch", "sm_80", "--out", str(tmp_path / "c")])
     assert not (tmp_path / "c").exists()

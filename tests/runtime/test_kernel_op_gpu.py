@@ -89,7 +89,10 @@ def test_compiled_module_under_reduce_overhead_and_the_cudagraph_backend():
             assert rel_error(backend(fresh).clone(), want) < 1e-2, step
 
 
-def test_generated_directory_runs_with_no_compiler_and_zero_compiles(tmp_path):
+@pytest.mark.parametrize("tuning", [False, True])
+def test_generated_directory_runs_with_no_compiler_and_zero_compiles(tmp_path, tuning):
+    """Kernels generated ahead of time run where there is no compiler; with ``--tuning`` that
+    machine also tunes the model's shapes on its GPU from them."""
     (tmp_path / "kernel_op_model.py").write_text(MODEL_SOURCE)
     script = tmp_path / "model.py"
     script.write_text(textwrap.dedent(f"""\
@@ -101,7 +104,7 @@ def test_generated_directory_runs_with_no_compiler_and_zero_compiles(tmp_path):
         """))
     env = dict(os.environ, SPARSECC_CACHE_DIR=str(tmp_path / "cache-a"))
     subprocess.run([sys.executable, "-m", "sparsecc.cli", "generate", f"{script}:build", "--arch", "sm_90a",
-                    "--out", str(tmp_path / "kernels")], check=True, env=env)
+                    "--out", str(tmp_path / "kernels")] + (["--tuning"] if tuning else []), check=True, env=env)
     check = textwrap.dedent(f"""\
         import shutil, sys, torch
         assert shutil.which("nvcc") is None
@@ -116,7 +119,7 @@ def test_generated_directory_runs_with_no_compiler_and_zero_compiles(tmp_path):
         assert [s.choice for s in compiled.sparsecc_plan] == ["2:4"] * 3
         assert "runs on sparsecc's sm90 2:4" in compiled.sparsecc_plan["0"].reason
         assert cuda_implementation() == "c++"
-        print("compiles", build.TOTAL_BUILD.built)
+        print("compiles", build.TOTAL_BUILD.built, "tuned", len(compiled.sparsecc_plan.tuning))
         """)
     path_without_nvcc = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                         if not os.path.exists(os.path.join(p, "nvcc")))
@@ -124,5 +127,9 @@ def test_generated_directory_runs_with_no_compiler_and_zero_compiles(tmp_path):
     env.pop("SPARSECC_NVCC", None)
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiles 0" in done.stdout
+    assert "compiles 0 tuned" in done.stdout
+    if tuning:
+        assert "tuned 0" not in done.stdout and "did not build" not in done.stderr
+    else:
+        assert "tuned 0" in done.stdout
     assert not (tmp_path / "cache-b" / "kernels").exists() or not any((tmp_path / "cache-b" / "kernels").iterdir())

@@ -29,8 +29,8 @@ since the copy shares the model's code and weights), ``sparse_sites`` (sites tha
 (groups of sites that one call computes, sparsecc.ir.siblings) and
 ``graphs_raced``: per graph the backend raced (for sparsecc-graphs: the model ``sparsecc.compile``
 raced), the microseconds per call with the sparse layers and dense on the example inputs and, for
-the backend's graphs, whether the host set the dense one's pace (the sparse one was kept if faster
-by 2%, or by 5% where the host set the pace).
+the backend's graphs, whether the host set the dense one's pace and each one's rounds (the sparse
+one was kept if faster by 2%, or by 5% where the host set the pace, or in every round where not).
 ``impl``: eager, inductor, sparsecc (as above, launched op by op), and with CUDA graphs:
 inductor-graphs (``torch.compile(model, mode="reduce-overhead")``), sparsecc-backend-graphs
 (``torch.compile(model, backend="sparsecc", mode="reduce-overhead")``) and sparsecc-graphs

@@ -10,6 +10,10 @@ Wanda's scores on random-token calibration prompts) to a pattern: ``2:4``,
 pruned model as it is (cuBLAS); ``sparsecc`` is ``sparsecc.compile(model, prompts)``, planned for M
 from the batch (a decode step) to batch x prompt length (the prefill).
 
+Both impls run the same attention (``--attention``): by default ``sparsecc.use_grouped_attention``,
+whose decode step reads each key/value head of the cache once; ``sdpa`` is Hugging Face's, which
+under torch.compile first copies the cache once per query head.
+
 Modes, the same for both impls:
 
 - ``graphs`` (default): the static cache and ``model.forward = torch.compile(model.forward,
@@ -88,6 +92,7 @@ from common import (RESULTS, environment, fixed_dispatch, plot_generation_speedu
 import sparsecc  # noqa: E402
 from sparsecc.generation import (GRAPH_WARMUP, LOOPS, greedy, greedy_loop, static_cache,  # noqa: E402
                                  time_generate_each)
+from sparsecc.grouped_attention import use_grouped_attention  # noqa: E402
 from sparsecc.models import load  # noqa: E402
 
 MODELS = {"llama-1b": "llama-1b-causal", "gpt2": "gpt2-causal"}
@@ -98,17 +103,28 @@ DEFAULT_CASES = [("llama-1b", "2:4", 1), ("llama-1b", "block64x64@0.1", 1), ("ll
 #: ... and the lists an unset one of them takes when another is given
 DEFAULT_LISTS = {"models": ["llama-1b", "gpt2"], "patterns": ["2:4", "block64x64@0.1"], "batches": [1, 32]}
 MODES = {"graphs": "static", "eager": None}          # mode -> generate's cache_implementation
+#: the attention both sides run: ``grouped`` (sparsecc.grouped_attention: a decode step reads each
+#: key/value head once) or Hugging Face's ``sdpa`` (a copy of the cache per query head under torch.compile)
+ATTENTIONS = ("grouped", "sdpa")
 #: layers sparsecc.prune leaves dense: token and position embeddings, the LM head (tied to them in GPT-2)
 EXCLUDE = ["*embed*", "*lm_head*", "*wte*", "*wpe*"]
 
 
-def build(name: str, *, tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM ``name`` on ``device`` in ``dtype``, eval mode; ``tiny``: a 2-layer model of
-    the same family (hidden 128) for a smoke run."""
+def build(name: str, *, tiny: bool, device: torch.device, dtype: torch.dtype, attention: str = "sdpa") -> torch.nn.Module:
+    """The causal LM ``name`` on ``device`` in ``dtype``, eval mode, with ``attention`` (see ATTENTIONS);
+    ``tiny``: a 2-layer model of the same family (hidden 128) for a smoke run."""
     torch.manual_seed(0)
     if not tiny:
         model, _ = load(MODELS[name], device=device)
-        return model.to(dtype).eval()
+    else:
+        model = _tiny(name, device)
+    if attention == "grouped":
+        use_grouped_attention(model)
+    return model.to(dtype).eval()
+
+
+def _tiny(name: str, device: torch.device) -> torch.nn.Module:
+    """A 2-layer model of ``name``'s family (hidden 128)."""
     import transformers as hf
     with torch.device(device):
         if name == "llama-1b":
@@ -118,7 +134,7 @@ def build(name: str, *, tiny: bool, device: torch.device, dtype: torch.dtype) ->
         else:
             model = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
                                                      bos_token_id=1, eos_token_id=2))
-    return model.to(dtype).eval()
+    return model
 
 
 #: calibration prompts --criterion wanda runs (random tokens: no dataset is read), and their length
@@ -233,7 +249,7 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
     """All patterns of one model, batch and mode: the dense model compiled once, its weights replaced in
     place by each pattern's, and a sparsecc model compiled per pattern."""
     torch._dynamo.reset()
-    dense = build(name, tiny=args.tiny, device=device, dtype=dtype)
+    dense = build(name, tiny=args.tiny, device=device, dtype=dtype, attention=args.attention)
     base = copy.deepcopy(dense)                           # the unpruned weights, never compiled
     if args.quantize:
         return [row for pattern in patterns for row in run_quantized(name, batch, pattern, mode, args, base, device)]
@@ -294,7 +310,7 @@ def run_group(name: str, batch: int, patterns: list[str], mode: str, args, devic
                    "mode": mode, "loop": loop, "batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
                    "M": batch * args.prompt, "dtype": str(dtype).replace("torch.", ""),
                    "density": round(report.density, 4), "block": 64 if pattern.startswith("block64") else None,
-                   "criterion": args.criterion,
+                   "criterion": args.criterion, "attention": args.attention,
                    "ttft_ms": round(timing.ttft_ms, 3),
                    "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
                    "rel_err": None if impl == "dense" else quality[impl]["rel_err"],
@@ -394,7 +410,8 @@ def run_quantized(name: str, batch: int, pattern: str, mode: str, args, base, de
                      "pattern": pattern, "quantize": args.quantize, "mode": mode, "loop": loop, "batch": batch,
                      "prompt": args.prompt, "new_tokens": args.new_tokens, "M": batch * args.prompt,
                      "dtype": str(next(base.parameters()).dtype).replace("torch.", ""),
-                     "density": round(report.density, 4), "block": None, "ttft_ms": round(timing.ttft_ms, 3),
+                     "density": round(report.density, 4), "block": None, "attention": args.attention,
+                     "ttft_ms": round(timing.ttft_ms, 3),
                      "tokens_per_s": round(timing.tokens_per_s, 1) if timing.tokens_per_s else None,
                      "rel_err": quality["rel_err"] if sparse else None,
                      "steps_compared": quality["steps_compared"] if sparse else None,
@@ -435,6 +452,9 @@ def main(argv=None) -> dict:
                         help="quantize both sides (sparsecc.quantize) and compile them dense and n:m (see above)")
     parser.add_argument("--criterion", choices=["magnitude", "wanda"], default="magnitude",
                         help="how sparsecc.prune picks the weights it keeps (wanda: on random-token prompts)")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="grouped",
+                        help="the attention of both sides (default grouped: a decode step reads each key/value head "
+                             "once; sdpa: Hugging Face's)")
     parser.add_argument("--backend", action="store_true",
                         help="graphs mode: also time the model through torch.compile(backend=\"sparsecc\") (see above)")
     parser.add_argument("--backend-only", action="store_true",
@@ -462,12 +482,12 @@ def main(argv=None) -> dict:
     result = environment("generate")
     result["transformers"] = __import__("transformers").__version__
     chosen = cases(args)
-    keys = {(m, p, b, mode, args.criterion) for m, p, b in chosen for mode in args.modes}
+    keys = {(m, p, b, mode, args.criterion, args.attention) for m, p, b in chosen for mode in args.modes}
     earlier = RESULTS / f"{args.stem}-{result['device'].replace(' ', '_').replace('/', '_')}-{result['date']}.json"
     if earlier.is_file() and not args.build_only:      # a run of some cases keeps the others' rows of the day
         result["rows"] = [r for r in json.loads(earlier.read_text())["rows"]
-                          if (r["model"], r["pattern"], r["batch"], r["mode"], r.get("criterion", "magnitude"))
-                          not in keys]
+                          if (r["model"], r["pattern"], r["batch"], r["mode"], r.get("criterion", "magnitude"),
+                              r.get("attention", "sdpa")) not in keys]
     path = None
     for (name, batch), group in itertools.groupby(sorted(chosen, key=lambda c: (c[0], c[2])), key=lambda c: (c[0], c[2])):
         patterns = list(dict.fromkeys(p for _, p, _ in group))

@@ -9,6 +9,7 @@ generated the same tokens (they should: compile does not change what the model c
     python samples/generate.py --cache static           # the static cache (CUDA graphs for decode on the GPU)
     python samples/generate.py --size 1b --batch 8      # Llama-3.2-1B's shapes (GPU)
     python samples/generate.py --force-formats          # each pattern's format wherever it fits
+    python samples/generate.py --attention sdpa         # Hugging Face's attention (default: grouped, both models)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 import sparsecc
 from sparsecc.generation import GRAPH_WARMUP, time_generate_each
+from sparsecc.grouped_attention import use_grouped_attention
 
 #: pruning pattern -> the format that stores it (for --force-formats)
 PATTERNS = {"2:4": ("2:4",), "unstructured@0.1": ("csr",)}
@@ -37,13 +39,17 @@ def build(size: str):
 
 
 def run(pattern: str, *, size="small", batch=4, prompt=64, new_tokens=32, cache=None, device=None,
-        formats=None, repeats=3, verbose=True) -> dict:
-    """Prune a fresh model with ``pattern``, compile it, and time generation by both."""
+        formats=None, repeats=3, attention="grouped", verbose=True) -> dict:
+    """Prune a fresh model with ``pattern``, compile it, and time generation by both. ``attention``:
+    ``grouped`` (sparsecc.grouped_attention: a decode step reads each key/value head once) or
+    Hugging Face's ``sdpa``, the same for both models."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
         model = build(size).to(dtype).eval()
+        if attention == "grouped":
+            use_grouped_attention(model)
         ids = torch.randint(1, model.config.vocab_size, (batch, prompt))
     sparsecc.prune(model, pattern, exclude=["*embed*", "*lm_head*"])
     compiled = sparsecc.compile(model, ids, formats=formats)       # planned for M = 1 .. batch x prompt
@@ -52,7 +58,7 @@ def run(pattern: str, *, size="small", batch=4, prompt=64, new_tokens=32, cache=
     timings = time_generate_each({"eager": model, "sparsecc": compiled}, ids, new_tokens=new_tokens, cache=cache,
                                  repeats=repeats, warmup=warmup)          # interleaved, medians
     eager, fast = timings["eager"], timings["sparsecc"]
-    result = {"pattern": pattern, "device": str(device), "choices": dict(Counter(plan.choices().values())),
+    result = {"pattern": pattern, "device": str(device), "attention": attention, "choices": dict(Counter(plan.choices().values())),
               "m_range": plan.sites[0].m_range, "same_tokens": torch.equal(eager.sequences, fast.sequences),
               "eager_ttft_ms": eager.ttft_ms, "compiled_ttft_ms": fast.ttft_ms,
               "eager_tokens_per_s": eager.tokens_per_s, "compiled_tokens_per_s": fast.tokens_per_s,
@@ -77,6 +83,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--cache", choices=("static",), default=None, help="the static KV cache (default: dynamic)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--attention", choices=("grouped", "sdpa"), default="grouped",
+                        help="both models' attention: sparsecc's grouped (default) or Hugging Face's sdpa")
     parser.add_argument("--force-formats", action="store_true",
                         help="use each pattern's sparse format wherever it fits, whatever the cost model prefers")
     args = parser.parse_args(argv)
@@ -84,7 +92,8 @@ def main(argv=None) -> list[dict]:
     print(f"Llama ({args.size}), batch {args.batch}, prompt {args.prompt} tokens, {args.new_tokens} new, greedy, "
           f"{args.cache or 'dynamic'} cache, on {device}")
     return [run(pattern, size=args.size, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
-                cache=args.cache, device=device, formats=PATTERNS.get(pattern) if args.force_formats else None)
+                cache=args.cache, device=device, formats=PATTERNS.get(pattern) if args.force_formats else None,
+                attention=args.attention)
             for pattern in args.patterns]
 
 

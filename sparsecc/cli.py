@@ -33,6 +33,7 @@ from .config import configure_logging
 from .errors import InputError, SparseccError
 from .frontend.tracing import normalize_inputs
 from .generation import GRAPH_WARMUP, time_generate_each
+from .grouped_attention import use_grouped_attention
 from .ir.plan import Plan
 from .kernels import registry, tune
 from .kernels.base import kernels_unavailable
@@ -164,6 +165,8 @@ def _bench_generate(args) -> int:
                          "(e.g. a Hugging Face *ForCausalLM)")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.is_floating_point():
         raise InputError(f"{args.model}: --generate needs example inputs that are token ids [batch, prompt length]")
+    if args.grouped_attention:
+        use_grouped_attention(model)                     # before compile: both models run it
     compiled = compile_model(model, inputs, formats=args.formats, kernels=args.kernels, m_range=args.m_range,
                              objective=args.objective)
     warmup = GRAPH_WARMUP if args.cache == "static" and inputs.device.type == "cuda" else 1
@@ -175,7 +178,8 @@ def _bench_generate(args) -> int:
     plan = compiled.sparsecc_plan
     decode = (rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]) if rows[0]["tokens_per_s"] else None
     summary = {"model": args.model, "device": str(inputs.device), "batch": inputs.shape[0], "prompt": inputs.shape[1],
-               "new_tokens": args.new_tokens, "cache": args.cache or "dynamic", "loop": args.loop, "rows": rows,
+               "new_tokens": args.new_tokens, "cache": args.cache or "dynamic", "loop": args.loop,
+               "attention": getattr(getattr(compiled, "config", None), "_attn_implementation", None), "rows": rows,
                "ttft_speedup": rows[0]["ttft_ms"] / rows[1]["ttft_ms"], "decode_speedup": decode,
                "same_tokens": same, "m_range": plan.sites[0].m_range if plan.sites else None,
                "weight_bytes_before": plan.bytes_before, "weight_bytes_after": plan.bytes_after}
@@ -338,6 +342,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--loop", choices=("generate", "greedy_loop"), default="generate",
                        help="with --generate: model.generate (default), or sparsecc.generation.greedy_loop "
                             "(greedy decoding without generate's work between steps; needs --cache static)")
+    bench.add_argument("--grouped-attention", action="store_true",
+                       help="with --generate: both models run sparsecc.grouped_attention (a decode step reads each "
+                            "key/value head once instead of a copy per query head)")
     bench.add_argument("--repeats", type=int, default=3, help="with --generate: timed calls, the median kept")
     bench.set_defaults(run=_bench)
     tun = commands.add_parser("tune", help="time the kernels' launches on this GPU for a model's (or given) shapes",

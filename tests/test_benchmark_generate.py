@@ -52,6 +52,7 @@ def test_a_tiny_run_on_the_cpu(tmp_path, monkeypatch):
                          "--new-tokens", "5", "--repeats", "1"])
     rows = result["rows"]
     assert len(rows) == 2 * 2 * 3 * 2               # two models, three patterns, dense and sparsecc, two loops
+    assert {row["attention"] for row in rows} == {"grouped"}      # the default, on both sides
     assert [row["loop"] for row in rows[:4]] == ["generate", "generate", "greedy_loop", "greedy_loop"]
     for dense, sparse in zip(rows[::2], rows[1::2]):
         assert (dense["impl"], sparse["impl"]) == ("dense", "sparsecc") and dense["loop"] == sparse["loop"]
@@ -79,6 +80,14 @@ def test_a_tiny_quantized_run_on_the_cpu(tmp_path, monkeypatch):
     dense, sparse = result["rows"]
     assert (dense["format"], sparse["format"]) == ("fp8", "fp8-2:4") and dense["quantize"] == sparse["quantize"] == "fp8"
     assert sparse["choices"]["2:4"] > 0 and sparse["same_tokens"] is True and sparse["rel_err"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("attention", bench.ATTENTIONS)
+def test_both_sides_get_the_attention_asked_for(attention):
+    from sparsecc.grouped_attention import NAME
+    for name in bench.MODELS:
+        model = bench.build(name, tiny=True, device=torch.device("cpu"), dtype=torch.float32, attention=attention)
+        assert model.config._attn_implementation == (NAME if attention == "grouped" else "sdpa")
 
 
 def test_a_decode_steps_kernels_are_profiled():

@@ -181,6 +181,11 @@ def test_bench_generate_times_a_causal_lm(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["loop"] == "greedy_loop" and summary["same_tokens"] is True
     assert all(row["ttft_ms"] > 0 and row["tokens_per_s"] > 0 for row in summary["rows"])
+    assert summary["attention"] == "sdpa"
+    assert cli.main(["bench", f"{script}:lm", "--generate", "--device", "cpu", "--new-tokens", "3", "--repeats", "1",
+                     "--cache", "static", "--grouped-attention", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["attention"] == "sparsecc_grouped_sdpa" and summary["same_tokens"] is True
     assert cli.main(["bench", f"{script}:lm", "--generate", "--device", "cpu", "--loop", "greedy_loop"]) == 2
     assert "--loop greedy_loop fills a static cache: add --cache static" in capsys.readouterr().err
 

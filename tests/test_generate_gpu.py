@@ -10,6 +10,7 @@ import torch
 
 import sparsecc
 from sparsecc.generation import GRAPH_WARMUP, greedy, static_cache
+from sparsecc.grouped_attention import NAME
 
 from conftest import kernels_of_24_sites, rel_error
 from models import llama_lm
@@ -68,3 +69,26 @@ def test_generation_on_the_kernels_eagerly_and_under_cuda_graphs():
     for graphs in replays:
         assert steps_alike(graphs, want) >= 1
     assert torch.equal(replays[-1].sequences, replays[-2].sequences)      # replayed graphs, same work
+
+
+def test_grouped_attention_on_the_kernels_under_cuda_graphs():
+    """sparsecc.use_grouped_attention on the GPU: the compiled 2:4 model, its decode steps reading
+    the key/value heads as they are under CUDA graphs, keeps the pruned model's logits (Hugging
+    Face's attention) within fp16 tolerance; a padded row makes every step pass a mask."""
+    torch.manual_seed(0)
+    model = llama_lm().half().cuda()
+    sparsecc.prune(model, "2:4", exclude=EXCLUDE)
+    ids, mask = (t.cuda() for t in prompts(model.config.vocab_size))
+    want = generate(model, ids, mask, "static")
+    compiled = sparsecc.use_grouped_attention(
+        sparsecc.compile(model, {"input_ids": ids, "attention_mask": mask}, formats=("2:4",)))
+    assert compiled.config._attn_implementation == NAME
+    torch._dynamo.reset()
+    try:
+        compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", dynamic=False)
+        cache = static_cache(compiled, PROMPT + NEW_TOKENS)
+        replays = [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
+    finally:
+        torch._dynamo.reset()
+    for graphs in replays:
+        assert steps_alike(graphs, want) >= 1

@@ -25,3 +25,10 @@ def test_sample_prints_each_pattern(capsys):
     out = capsys.readouterr().out
     assert "2:4: formats" in out and "first token" in out and "same tokens: yes" in out
     assert "2:4" in result["choices"] and result["m_range"] == [1, 8]
+
+
+def test_sample_gives_both_models_the_attention_asked_for():
+    for attention in ("grouped", "sdpa"):
+        result = generate.run("2:4", batch=2, prompt=8, new_tokens=3, device="cpu", repeats=1, attention=attention,
+                              formats=generate.PATTERNS["2:4"], verbose=False)
+        assert result["same_tokens"] is True and result["attention"] == attention

@@ -109,6 +109,21 @@ def ieee_reference(x, w, bias, activation):
     return apply_activation(y if bias is None else y + bias.double(), activation)
 
 
+def scattered_nonfinite(rows: int, k: int, gen) -> torch.Tensor:
+    """x [rows, k] (fp32, CPU) with one NaN, +Inf or -Inf in each row at a random place (+Inf in
+    the first row), and in the second row a second infinity of the other sign: an infinity gives
+    NaN against a zero and an infinity against a value, so the outputs show which row and group
+    of a weight's metadata a kernel read."""
+    x = torch.randn(rows, k, generator=gen)
+    kinds = torch.tensor([float("inf"), -float("inf"), float("nan")])[torch.randint(0, 3, (rows,), generator=gen)]
+    kinds[0] = float("inf")
+    columns = torch.randint(0, k, (rows,), generator=gen)
+    x[torch.arange(rows), columns] = kinds
+    if rows > 1:
+        x[1, (columns[1] + 5) % k] = -x[1, columns[1]]
+    return x
+
+
 def assert_same_nonfinite(got, ref, dtype):
     """NaN, +Inf and -Inf at the same positions, and the finite rest within tolerance."""
     assert torch.equal(got.isnan(), ref.isnan()), "NaN positions differ"

@@ -18,7 +18,7 @@ from sparsecc.runtime.kernel_op import dispatch_string, ensure, kernel_for, line
 
 from conftest import assert_rel_close, kernels_of_24_sites, n_m
 from runtime.test_torch_ops import reference
-from test_bad_input import assert_same_nonfinite, ieee_reference
+from test_bad_input import assert_same_nonfinite, ieee_reference, scattered_nonfinite
 from test_fuzz import make_input
 
 pytestmark = pytest.mark.gpu
@@ -184,14 +184,7 @@ def test_scattered_nonfinite_inputs_meet_the_right_zeros(packing, rows, transpos
     for dtype in DTYPES:
         w = (n_m(n, k, 2, 4, gen) / k ** 0.5).to(dtype).cuda()
         packed = pack_24(packing, w)
-        x = torch.randn(rows, k, generator=gen)
-        kinds = torch.tensor([float("inf"), -float("inf"), float("nan")])[torch.randint(0, 3, (rows,), generator=gen)]
-        kinds[0] = float("inf")
-        columns = torch.randint(0, k, (rows,), generator=gen)
-        x[torch.arange(rows), columns] = kinds
-        if rows > 1:
-            x[1, (columns[1] + 5) % k] = -x[1, columns[1]]
-        x = x.to(dtype).cuda()
+        x = scattered_nonfinite(rows, k, gen).to(dtype).cuda()
         bias = torch.randn(n, generator=gen).to(dtype).cuda()
         got = run(packed, x, bias, "relu", transpose_out=transpose_out)
         ref = ieee_reference(x, w, bias, "relu")

@@ -32,6 +32,7 @@ class Family(str, enum.Enum):
     SM90_COMPRESS24 = "compress_sm90_sparse24"
     GEMV_SM90_SPARSE24 = "gemv_sm90_sparse24"
     GEMV_MMA_SM90_SPARSE24 = "gemv_mma_sm90_sparse24"
+    GEMV_MMA_BULK_SM90_SPARSE24 = "gemv_mma_bulk_sm90_sparse24"
     GEMV_MMA_SM90_DENSE = "gemv_mma_sm90_dense"
     BSR_SM90_WGMMA = "bsr_sm90_wgmma"
     BSR_SM90_PAIRS = "bsr_sm90_pairs"
@@ -62,7 +63,8 @@ class Family(str, enum.Enum):
     @property
     def gemv(self) -> bool:
         """A memory-bound small-batch kernel (tile: warps, rows per warp, rows of x; for the
-        tensor-core ones warps, units of 16 output features, tiles of 8 rows of x)."""
+        tensor-core ones warps, units of 16 output features, tiles of 8 rows of x; for the
+        bulk-copy one units, tiles of x, units of K per stage)."""
         return self.value.startswith("gemv")
 
     @property
@@ -173,6 +175,9 @@ TILES = {
     Family.GEMV_MMA_SM90_SPARSE24: {(w, u, x) for w in (4, 8) for u in (1, 2, 4) for x in (1, 2)}
                                    | {(16, u, 1) for u in (1, 2, 4)},
     Family.GEMV_MMA_SM90_DENSE: {(w, u, x) for w in (4, 8) for u in (1, 2) for x in (1, 2)},
+    # the same 2:4 units fed through shared memory by bulk copies: (16-feature unit rows of W per
+    # block, 8-row tiles of x per block, units of 64 inputs per pipeline stage)
+    Family.GEMV_MMA_BULK_SM90_SPARSE24: {(u, x, s) for u in (2, 4, 8) for x in (2, 4, 8) for s in (2, 4)},
 }
 #: BSR block sizes (rows, columns) the kernels take, square or not
 BSR_BLOCK_SIDES = (16, 32, 64, 128)
@@ -229,6 +234,7 @@ DEFAULT_TILE = {Family.SM90_SPARSE24: (128, 128, 128), Family.SM90_SPARSE24_FP8:
                 Family.SM90_DENSE: (128, 128, 64),
                 Family.SM90_COMPRESS24: (128, 128, 128), Family.GEMV_SM90_SPARSE24: (4, 2, 1),
                 Family.GEMV_MMA_SM90_SPARSE24: (8, 1, 1), Family.GEMV_MMA_SM90_DENSE: (8, 1, 1),
+                Family.GEMV_MMA_BULK_SM90_SPARSE24: (4, 4, 4),
                 Family.BSR_SM90_WGMMA: (64, 64, 128),
                 Family.BSR_SM90_PAIRS: (64, 64, 256),
                 Family.BSR_MMA_SM90: (64, 64, 16),
@@ -355,6 +361,9 @@ class KernelSpec:
             n, m, capacity = self.tile
             layout = BITMAP_LAYOUT if self.family.bitmap else CSR_LAYOUT
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_n{n}_m{m}_c{capacity}_l{layout}"
+        if self.family is Family.GEMV_MMA_BULK_SM90_SPARSE24:
+            u, x, s = self.tile
+            return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_u{u}_x{x}_s{s}"
         if self.family in (Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_MMA_SM90_DENSE):
             w, u, x = self.tile
             return f"sparsecc_{self.family.value}_{_SHORT_DTYPE[self.dtype]}_w{w}_u{u}_x{x}"

@@ -8,6 +8,9 @@ the dense bytes.
   (``mma.sp`` m16n8k32): the weight packed in units of 16 output features x 64 inputs in the
   order the instruction takes them, x staged in shared memory, K split over the block's warps
   and a cluster of blocks (the launch's ``splits``; 0: the kernel picks); from 2 to 64 rows.
+  Past 8 rows its tuning also times templates/gemv_mma_bulk_sm90_sparse24.cu.j2, which reads the
+  same units through shared memory (bulk copies into a pipeline of stages) so that one block
+  multiplies each unit of W by all of a bucket's rows.
 
 Both are programmatic dependent launches that read their weight before they wait for the
 kernel ahead, so packing ends with a host synchronisation. :func:`choose` picks, for a 2:4
@@ -43,6 +46,11 @@ from .sparse24 import Sparse24Gemm
 GEMV_MAX_M = 1
 MMA_MAX_M = 64
 MMA_DEFAULT_MAX_M = 8
+#: the bulk-copy kernel's launches tuning times past 8 rows, as (16-feature unit rows per block,
+#: units of 64 inputs per stage, blocks per cluster; 0: the kernel picks), its tiles of x covering
+#: the bucket's rows; it takes weights whose K is a multiple of 64
+BULK_LAUNCHES = ((4, 4, 0), (4, 4, 2), (4, 4, 8), (4, 2, 0), (8, 4, 0), (8, 2, 0))
+BULK_MIN_M = 9
 
 def _kept_pairs(weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What the small-batch layouts store of a 2:4 [N, K] weight: the two kept entries of each
@@ -209,10 +217,11 @@ class Sparse24Gemv(_SmallBatch24):
 
 class Sparse24Mma(_SmallBatch24):
     """2:4 at 2-64 rows on the sparse tensor cores (tile: warps, 16-feature units of W, 8-row
-    tiles of x per block; the launch's splits are the blocks of a cluster, 0: the kernel picks)."""
+    tiles of x per block; for the bulk-copy kernel unit rows of W, 8-row tiles of x per block and
+    units of K per stage; the launch's splits are the blocks of a cluster, 0: the kernel picks)."""
 
     name = "sparse24-mma"
-    templates = (Family.GEMV_MMA_SM90_SPARSE24,)
+    templates = (Family.GEMV_MMA_SM90_SPARSE24, Family.GEMV_MMA_BULK_SM90_SPARSE24)
     unit = "sparsecc's sm90 2:4 small-batch kernel on tensor cores"
     impls = ("sparse24-mma",)
     max_m = MMA_MAX_M
@@ -221,13 +230,30 @@ class Sparse24Mma(_SmallBatch24):
 
     def candidates(self, dtype, shape, m):
         """Every tiling whose tiles of x ``m`` rows fill (a second 8-row tile only past 8 rows),
-        with clusters of 1 and 2 blocks and the kernel's own pick."""
+        with clusters of 1 and 2 blocks and the kernel's own pick; past 8 rows also the bulk-copy
+        kernel's :data:`BULK_LAUNCHES` (K a multiple of 64), with the fewest tiles of x that
+        hold ``m`` rows."""
+        name = dtype_name(dtype)
         tiles = sorted(t for t in TILES[Family.GEMV_MMA_SM90_SPARSE24] if 8 * (t[2] - 1) < m)
-        return [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, dtype_name(dtype), tile=tile), splits=splits)
-                for tile in tiles for splits in CLUSTER_SPLITS]
+        launches = [Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, name, tile=tile), splits=splits)
+                    for tile in tiles for splits in CLUSTER_SPLITS]
+        if m >= BULK_MIN_M and shape[1] % MMA_UNIT_COLUMNS == 0:
+            tiles_of_x = min(t for t in (2, 4, 8) if 8 * t >= min(m, MMA_MAX_M))
+            launches += [Launch(KernelSpec(Family.GEMV_MMA_BULK_SM90_SPARSE24, name, tile=(units, tiles_of_x, stage)),
+                                splits=splits) for units, stage, splits in BULK_LAUNCHES]
+        return launches
 
     def default_launch(self, dtype, bound):
         return Launch(KernelSpec(Family.GEMV_MMA_SM90_SPARSE24, dtype, tile=(8, 1, 1 if 0 < bound <= 8 else 2)))
+
+    def dispatch(self, dtype, shape, tune_range=None, *, progress=False) -> list[tuple[int, Launch]]:
+        """As tuned, but a bulk-copy launch borrowed from another shape's measurements stays off a
+        weight whose K is no multiple of its 64-input units: that bucket runs the default."""
+        table = super().dispatch(dtype, shape, tune_range, progress=progress)
+        if shape[1] % MMA_UNIT_COLUMNS == 0:
+            return table
+        return [(bound, self.default_launch(dtype_name(dtype), bound)
+                 if launch.spec.family is Family.GEMV_MMA_BULK_SM90_SPARSE24 else launch) for bound, launch in table]
 
 
 GEMV, MMA, GEMM = Sparse24Gemv(), Sparse24Mma(), Sparse24Gemm()

@@ -130,6 +130,9 @@ def test_small_batch_kernels_stream_their_weights_and_keep_x_in_l1():
     assert "load16(in)" in render(KernelSpec(Family.GEMV_SM90_SPARSE24, "float16"))
     assert "load_words<false>(xv[u][n], x +" in render(KernelSpec(Family.BSR_MMA_SM90, "float16"))
     assert "stream16(" not in render(KernelSpec(Family.GEMV_MMA_SM90_DENSE, "float16"))
+    bulk = render(KernelSpec(Family.GEMV_MMA_BULK_SM90_SPARSE24, "bfloat16", tile=(8, 2, 2)))
+    assert "SM90_BULK_COPY_G2S::copy(values +" in bulk and "SM90_BULK_COPY_G2S::copy(x +" in bulk
+    assert "stream16(" not in bulk and "constexpr int kUnitRows = 8;" in bulk
 
 
 def test_templates_digest_is_stable():

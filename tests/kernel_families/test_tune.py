@@ -18,7 +18,7 @@ from sparsecc.kernels import base, tune
 from sparsecc.kernels.base import Buckets, KernelFamily, KernelWeight, Launch
 from sparsecc.kernels.dense import SMALL as DENSE_SMALL
 from sparsecc.kernels.dense import DenseGemm
-from sparsecc.kernels.sparse24_small import GEMM, GEMV, MMA, choose
+from sparsecc.kernels.sparse24_small import BULK_LAUNCHES, GEMM, GEMV, MMA, choose
 from sparsecc.errors import KernelBuildError
 from sparsecc.runtime.loader import KernelRunError
 
@@ -102,12 +102,37 @@ def test_tensor_core_small_batch_launches_fill_their_tiles_of_x(shipped):
     """The 2:4 tensor-core kernel's candidates for a batch take no 16-row tile of x it would leave
     half empty; without measurements, its buckets above 8 rows use the 16-row tile."""
     for m, tiles_of_x in ((1, {1}), (8, {1}), (9, {1, 2}), (64, {1, 2})):
-        launches = MMA.candidates(torch.float16, (4096, 4096), m)
+        launches = [launch for launch in MMA.candidates(torch.float16, (4096, 4096), m)
+                    if launch.spec.family is Family.GEMV_MMA_SM90_SPARSE24]
         assert {launch.spec.tile[2] for launch in launches} == tiles_of_x, m
         assert {launch.splits for launch in launches} == {0, 1, 2}
     shipped([])
     table = MMA.dispatch(torch.float16, (4096, 4096))
     assert {bound: launch.spec.tile[2] for bound, launch in table} == {1: 1, 8: 1, 16: 2, 32: 2, 64: 2, 0: 2}
+
+
+def test_the_bulk_copy_kernel_is_a_candidate_past_8_rows_where_k_is_whole_units():
+    """Its tiles of x are the fewest 8-row tiles that hold the bucket's rows (one block reads each
+    unit of W for all of them); a K that is no multiple of its 64-input units leaves it out."""
+    bulk = Family.GEMV_MMA_BULK_SM90_SPARSE24
+    for m, tiles_of_x in ((9, 2), (16, 2), (17, 4), (32, 4), (33, 8), (64, 8)):
+        launches = [launch for launch in MMA.candidates(torch.bfloat16, (4096, 4096), m) if launch.spec.family is bulk]
+        assert len(launches) == len(BULK_LAUNCHES), m
+        assert {launch.spec.tile[1] for launch in launches} == {tiles_of_x} and 8 * tiles_of_x >= m
+        assert all(launch.spec.dtype == "bfloat16" for launch in launches)
+    for m, shape in ((8, (4096, 4096)), (32, (4096, 4112))):
+        assert not any(launch.spec.family is bulk for launch in MMA.candidates(torch.float16, shape, m))
+    assert bulk in MMA.templates
+
+
+def test_a_borrowed_bulk_copy_launch_stays_off_a_k_it_cannot_run(shipped):
+    """The nearest measured shape's bulk-copy launch serves an unseen shape whose K is whole units,
+    and the default serves one whose K is not."""
+    launch = Launch(KernelSpec(Family.GEMV_MMA_BULK_SM90_SPARSE24, "float16", tile=(4, 4, 4)), splits=2)
+    shipped([tune.entry(MMA.templates[0], "float16", 32, 4096, 4096, launch, 9.0)])   # as tuning records it
+    whole = dict(MMA.dispatch(torch.float16, (4096, 4608)))[32]
+    assert whole.spec == launch.spec and whole.splits == 0         # a cluster size is the shape's own
+    assert dict(MMA.dispatch(torch.float16, (4096, 4112)))[32] == MMA.default_launch("float16", 32)
 
 
 def test_24_small_batches_take_the_tensor_core_kernel_where_it_measured_faster(shipped):
@@ -399,7 +424,7 @@ def test_families_describe_themselves_consistently():
             default = family.default_launch("float16", bound)
             assert default.spec.family is family.templates[0]
             launches = family.candidates(torch.float16, (4096, 4096), m)
-            assert launches and all(launch.spec.family is family.templates[0] for launch in launches)
+            assert launches and all(launch.spec.family in family.templates for launch in launches)
     assert base.launch_for(GEMM.dispatch(torch.float16, (4096, 4096)), 3000).spec.family is Family.SM90_SPARSE24
     assert GEMM.refuses(NM_2_4, (4096, 4100), torch.float16) is not None
 

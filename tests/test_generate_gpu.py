@@ -45,6 +45,18 @@ def generate(model, ids, mask, cache):
                   return_dict_in_generate=True, disable_compile=True)
 
 
+def under_cuda_graphs(compiled, ids, mask) -> list:
+    """``compiled``'s forward under torch.compile(mode="reduce-overhead") on one static cache: its
+    generations until the graphs replay (GRAPH_WARMUP calls, then one more)."""
+    torch._dynamo.reset()
+    try:
+        compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", dynamic=False)
+        cache = static_cache(compiled, PROMPT + NEW_TOKENS)
+        return [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_generation_on_the_kernels_eagerly_and_under_cuda_graphs():
     torch.manual_seed(0)
     model = llama_lm().half().cuda()
@@ -59,13 +71,7 @@ def test_generation_on_the_kernels_eagerly_and_under_cuda_graphs():
     # one per sparse site, or per group of sites sharing one (the dense LM head makes none)
     per_step = calls([s for s in compiled.sparsecc_plan if s.choice != "dense"])
     assert ops.rows == {BATCH * PROMPT: per_step, BATCH: per_step * (NEW_TOKENS - 1)}
-    torch._dynamo.reset()
-    try:
-        compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", dynamic=False)
-        cache = static_cache(compiled, PROMPT + NEW_TOKENS)
-        replays = [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
-    finally:
-        torch._dynamo.reset()
+    replays = under_cuda_graphs(compiled, ids, mask)
     for graphs in replays:
         assert steps_alike(graphs, want) >= 1
     assert torch.equal(replays[-1].sequences, replays[-2].sequences)      # replayed graphs, same work
@@ -83,12 +89,6 @@ def test_grouped_attention_on_the_kernels_under_cuda_graphs():
     compiled = sparsecc.use_grouped_attention(
         sparsecc.compile(model, {"input_ids": ids, "attention_mask": mask}, formats=("2:4",)))
     assert compiled.config._attn_implementation == NAME
-    torch._dynamo.reset()
-    try:
-        compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead", dynamic=False)
-        cache = static_cache(compiled, PROMPT + NEW_TOKENS)
-        replays = [generate(compiled, ids, mask, cache) for _ in range(GRAPH_WARMUP + 1)]
-    finally:
-        torch._dynamo.reset()
+    replays = under_cuda_graphs(compiled, ids, mask)
     for graphs in replays:
         assert steps_alike(graphs, want) >= 1

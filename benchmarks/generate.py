@@ -504,8 +504,10 @@ def main(argv=None) -> dict:
 def plot(result: dict, path) -> None:
     """Per case, sparsecc's speedup over dense: time to the first token and decode tokens per second."""
     plot_generation_speedups(
-        result, path, lambda row: (row["model"], row["pattern"], row["batch"], row["mode"], row.get("loop", "generate")),
-        lambda case: f"{case[0]} {case[1]}\nbatch {case[2]} {case[3]}\n{case[4]}", first_label="time to first token",
+        result, path, lambda row: (row["model"], row["pattern"], row["batch"], row["mode"], row.get("loop", "generate"),
+                                   row.get("attention", "sdpa")),
+        lambda case: f"{case[0]} {case[1]}\nbatch {case[2]} {case[3]}\n{case[4]} {case[5]}",
+        first_label="time to first token",
         title=f"generate, {result['device']}, torch {result['torch']}, transformers {result.get('transformers')}")
 
 if __name__ == "__main__":

@@ -90,6 +90,21 @@ def test_both_sides_get_the_attention_asked_for(attention):
         assert model.config._attn_implementation == (NAME if attention == "grouped" else "sdpa")
 
 
+def test_runs_of_either_attention_keep_each_others_rows(tmp_path, monkeypatch):
+    """Two runs of one case on the same day, one per attention, leave both pairs of rows in the
+    day's file (each run replaces only its own attention's rows)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    args = ["--device", "cpu", "--tiny", "--modes", "eager", "--force-formats", "--batches", "1", "--models", "gpt2",
+            "--patterns", "2:4", "--prompt", "6", "--new-tokens", "2", "--repeats", "1", "--loops", "generate"]
+    bench.main(args + ["--attention", "sdpa"])
+    bench.main(args + ["--attention", "grouped"])
+    again = bench.main(args + ["--attention", "grouped"])
+    assert sorted((row["attention"], row["impl"]) for row in again["rows"]) == [
+        ("grouped", "dense"), ("grouped", "sparsecc"), ("sdpa", "dense"), ("sdpa", "sparsecc")]
+    assert len(list(tmp_path.glob("generate-*.json"))) == 1 and list(tmp_path.glob("generate-*.png"))
+
+
 def test_a_decode_steps_kernels_are_profiled():
     """``--profile``'s breakdown of one decode step: the prompt's forward left out (its rows differ),
     the longest first, and a compiled model's step running sparsecc's op once per site."""

@@ -13,6 +13,7 @@ from sparsecc.kernels import tune
 from sparsecc.kernels.base import Launch
 from sparsecc.ir.workload import dtype_name
 from sparsecc.kernels.sparse24_small import MMA, Sparse24MmaWeight
+from sparsecc.runtime.kernel_op import ensure, linear_kernel
 
 from conftest import TOLERANCE, n_m, rel_error
 from kernel_families.test_gemm_gpu import reference, run_poisoned, sparse_weight
@@ -31,6 +32,7 @@ TILINGS += [KernelSpec(BULK, "bfloat16", tile=(4, 4, 4)), KernelSpec(BULK, "bflo
 #: what this module runs, compiled in one parallel build before the first test (conftest)
 KERNELS = TILINGS + [launch.spec for launch in MMA.candidates(torch.float16, (4096, 4096), 32)
                      if launch.spec not in TILINGS]
+KERNELS += [MMA.default_launch("bfloat16", 8).spec, MMA.default_launch("bfloat16", 64).spec]
 
 
 @pytest.mark.parametrize("spec", TILINGS, ids=lambda spec: spec.symbol)
@@ -96,3 +98,26 @@ def test_tuning_times_it_beside_the_register_kernel(tmp_path, monkeypatch, caplo
         assert tune.LOG[-1].candidates == len(MMA.candidates(torch.float16, (4096, 4096), 32))
     finally:
         tune.use(None)
+
+
+def test_through_the_op_in_every_layout_beside_the_register_kernel():
+    """A weight whose dispatch runs the bulk-copy kernel at 9-32 rows and the register kernel
+    elsewhere, through sparsecc::linear_kernel: x transposed or not, y transposed or not, a batch
+    in each bucket, against fp64."""
+    dtype = torch.bfloat16
+    w = sparse_weight(1024, 2048, dtype)
+    table = [(8, MMA.default_launch("bfloat16", 8)), (32, Launch(KernelSpec(BULK, "bfloat16", tile=(4, 4, 4)), splits=0)),
+             (0, MMA.default_launch("bfloat16", 64))]
+    packed = Sparse24MmaWeight.pack(w).running(table)
+    ensure([launch.spec for _, launch in table])
+    torch.cuda.synchronize()               # the kernels read the weight before they wait: packed first
+    bias = torch.randn(1024, dtype=dtype, device="cuda")
+    for m in (5, 9, 27, 32, 50):
+        x = torch.randn(m, 2048, dtype=dtype, device="cuda")
+        want = reference(x, w, bias, "gelu")
+        for x_transposed, transpose_out in ((False, False), (True, False), (False, True), (True, True)):
+            given = x.t().contiguous() if x_transposed else x
+            got = linear_kernel(given, packed.values, packed.metadata, 1024, 2048, bias, "gelu", x_transposed,
+                                transpose_out, packed.kernels)
+            got = got.t() if transpose_out else got
+            assert rel_error(got, want) < TOLERANCE[dtype], (m, x_transposed, transpose_out)
